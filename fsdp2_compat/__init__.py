@@ -1,0 +1,38 @@
+"""fsdp2-compat: version-gated runtime fixes for FSDP2 in verl and SkyRL.
+
+Enable at trainer start-up with ``import fsdp2_compat.auto`` (patches named in
+``FSDP2_COMPAT_PATCHES``, all when unset) or programmatically::
+
+    import fsdp2_compat
+    fsdp2_compat.apply("glm4v")      # applies when verl / SkyRL are imported
+    fsdp2_compat.status()            # what happened, per patch and target
+    fsdp2_compat.revert()
+
+Importing this package imports neither torch, transformers, verl nor SkyRL;
+the heavier helpers below load on first attribute access.
+"""
+
+__version__ = "0.1.0"
+
+from ._config import ConfigError  # noqa: E402  (stdlib only)
+from .engine import Fsdp2CompatError, apply, patched, revert  # noqa: E402
+
+_LAZY = {
+    "select_wrap_targets": ("fsdp2_compat.fixes.selection", "select_wrap_targets"),
+    "embeddings_tied": ("fsdp2_compat.fixes.selection", "embeddings_tied"),
+    "status": ("fsdp2_compat.status", "status"),
+}
+
+__all__ = ["apply", "revert", "patched", "status", "select_wrap_targets", "embeddings_tied", "Fsdp2CompatError", "ConfigError"]
+
+
+def __getattr__(name):
+    try:
+        module_name, attr = _LAZY[name]
+    except KeyError:
+        raise AttributeError("module 'fsdp2_compat' has no attribute %r" % name) from None
+    import importlib
+
+    value = getattr(importlib.import_module(module_name), attr)
+    globals()[name] = value
+    return value

@@ -1,0 +1,17 @@
+"""``import fsdp2_compat.auto``: request the patches named in the environment.
+
+``FSDP2_COMPAT_PATCHES`` (comma separated; ``all``, ``none``, ``-name``;
+unset means all) chooses the patches; ``FSDP2_COMPAT_STRICT=1`` turns a skip
+or failure of a requested patch into an error.  Each patch applies when its
+upstream module is imported, before or after this import.
+
+An unknown name raises ``fsdp2_compat.ConfigError`` here, at start-up, naming
+the bad token and the valid names.  Importing this module costs a few
+milliseconds: no torch, transformers, verl or SkyRL is imported.
+"""
+
+import os
+
+from . import _config, engine
+
+REQUESTED = engine.apply(os.environ.get(_config.PATCHES_ENV))

@@ -1,0 +1,95 @@
+"""``fsdp2-compat``: see what applies to the installed packages.
+
+    fsdp2-compat status [--json] [--patches NAMES] [--no-import]
+    fsdp2-compat list
+    fsdp2-compat fingerprint FILE NAME
+"""
+
+import argparse
+import json
+import os
+import sys
+
+
+def _cmd_status(args):
+    from . import _config, engine, registry
+    from .status import format_table, status
+
+    selection = args.patches if args.patches is not None else os.environ.get(_config.PATCHES_ENV)
+    chosen = engine.apply(selection)
+    errors = {}
+    if not args.no_import:
+        # Import each installed target module so its outcome is real, not "waiting".
+        from . import guards
+
+        for target in registry.targets():
+            if target.key not in {t.key for n in chosen for t in registry.patch(n).targets}:
+                continue
+            if guards.installed_version(target.dist) is None or target.module in sys.modules:
+                continue
+            try:
+                __import__(target.module)
+            except Exception as exc:  # report, keep going: status must always print
+                errors[target.module] = "%s: %s" % (type(exc).__name__, exc)
+    rows = status()
+    if args.json:
+        json.dump({"requested": list(chosen), "rows": rows, "import_errors": errors}, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        print("requested: %s" % (", ".join(chosen) or "none"))
+        print(format_table(rows))
+        for module, error in errors.items():
+            print("could not import %s: %s" % (module, error))
+    bad = [r for r in rows if r["outcome"] in (engine.FAILED, engine.DRIFTED)]
+    return 1 if bad else 0
+
+
+def _cmd_list(args):
+    from . import registry
+
+    for p in registry.PATCHES:
+        print("%-11s %s" % (p.name, p.summary))
+        print("%-11s families: %s" % ("", "; ".join(p.families)))
+        for t in p.targets:
+            print("%-11s   %s %s  %s.%s" % ("", t.dist, t.versions, t.module, t.attr))
+    return 0
+
+
+def _cmd_fingerprint(args):
+    from .guards import fingerprint_source
+
+    with open(args.file, encoding="utf-8") as f:
+        print(fingerprint_source(f.read(), args.name))
+    return 0
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="fsdp2-compat", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("status", help="apply the requested patches here and show what happened")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--patches", help="selection like FSDP2_COMPAT_PATCHES (default: that variable, or all)")
+    p.add_argument("--no-import", action="store_true", help="do not import upstream modules; show what waits")
+    p.set_defaults(func=_cmd_status)
+
+    p = sub.add_parser("list", help="list patches, the families they cover and their targets")
+    p.set_defaults(func=_cmd_list)
+
+    p = sub.add_parser("fingerprint", help="fingerprint a function in a released source file")
+    p.add_argument("file")
+    p.add_argument("name")
+    p.set_defaults(func=_cmd_fingerprint)
+
+    args = parser.parse_args(argv)
+    from ._config import ConfigError
+
+    try:
+        return args.func(args)
+    except ConfigError as exc:
+        print("fsdp2-compat: %s" % exc, file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

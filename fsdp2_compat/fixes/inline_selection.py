@@ -1,0 +1,87 @@
+"""Correct the wrap selection of an upstream ``apply_fsdp2`` that has it inline.
+
+verl 0.4.0-0.7.0 and every SkyRL / skyrl-train release select their FSDP2
+groups in a loop inside ``apply_fsdp2`` and then call the module-global
+``fully_shard`` once per selected module and once for the root.  There is no
+function to swap for the selection alone, so the narrowest seam is the
+``fully_shard`` name that loop calls:
+
+- ``apply_fsdp2`` is wrapped only to publish the model being sharded (in a
+  context variable, so concurrent calls on other threads are unaffected);
+- ``fully_shard`` is wrapped to consult that plan: a call for an
+  ``nn.Embedding`` the corrected rule does not select is skipped (its weights
+  stay in the root group), and before the root call an untied input embedding
+  that upstream skipped (config flag said "tied", weights say otherwise) gets
+  its own group.  Every other call goes to torch unchanged, with upstream's own
+  arguments, inside upstream's own code (``maybe_patch_fsdp_module`` etc.).
+
+Outside an ``apply_fsdp2`` call the ``fully_shard`` wrapper is a pass-through.
+"""
+
+import contextvars
+
+_plan = contextvars.ContextVar("fsdp2_compat_inline_plan", default=None)
+
+
+class _Plan:
+    __slots__ = ("model", "embedding", "embedding_done")
+
+    def __init__(self, model):
+        from .selection import embeddings_tied, input_embedding
+
+        self.model = model
+        self.embedding = None if embeddings_tied(model) else input_embedding(model)
+        self.embedding_done = False
+
+
+def wrap_apply_fsdp2(original):
+    """Wrap upstream ``apply_fsdp2(model, fsdp_kwargs, config)``."""
+    import wrapt
+
+    def apply_fsdp2(wrapped, instance, args, kwargs):
+        model = args[0] if args else kwargs.get("model")
+        token = _plan.set(_Plan(model))
+        try:
+            return wrapped(*args, **kwargs)
+        finally:
+            _plan.reset(token)
+
+    return wrapt.FunctionWrapper(original, apply_fsdp2)
+
+
+def wrap_fully_shard(original):
+    """Wrap the ``fully_shard`` global that upstream's loop calls."""
+    import torch.nn as nn
+    import wrapt
+
+    def fully_shard(wrapped, instance, args, kwargs):
+        plan = _plan.get()
+        module = args[0] if args else kwargs.get("module")
+        if plan is None or not isinstance(module, nn.Module):
+            return wrapped(*args, **kwargs)
+        if module is plan.model:
+            if plan.embedding is not None and not plan.embedding_done:
+                plan.embedding_done = True
+                wrapped(plan.embedding, *args[1:], **kwargs)
+            return wrapped(*args, **kwargs)
+        if module is plan.embedding:
+            plan.embedding_done = True
+            return wrapped(*args, **kwargs)
+        if isinstance(module, nn.Embedding):
+            return module  # auxiliary (or tied) embedding: stays in the root group
+        return wrapped(*args, **kwargs)
+
+    return wrapt.FunctionWrapper(original, fully_shard)
+
+
+def seam(module):
+    """Replacements for a module that defines ``apply_fsdp2`` and imports ``fully_shard``."""
+    from ..guards import Drift
+
+    fully_shard = module.__dict__.get("fully_shard")
+    if fully_shard is None or not callable(fully_shard):
+        raise Drift("%s has no module-global fully_shard (torch < 2.4?)" % module.__name__)
+    return {
+        "apply_fsdp2": wrap_apply_fsdp2(module.__dict__["apply_fsdp2"]),
+        "fully_shard": wrap_fully_shard(fully_shard),
+    }

@@ -1,0 +1,128 @@
+"""Which submodules get their own FSDP2 group: the corrected rule.
+
+Upstream (verl, SkyRL) shards every untied ``nn.Embedding`` in a group of its
+own.  That is right for the token embedding, which is only ever *called*, but
+wrong for auxiliary tables such as GLM4V's vision ``position_embedding``,
+whose ``weight`` is read directly by the parent module's forward; FSDP2 has
+not unsharded it there, so the read sees a sharded ``DTensor``:
+
+    RuntimeError: aten.grid_sampler_2d.default got mixed torch.Tensor and DTensor
+
+The corrected rule (SkyRL PR #2088, issue #2087): a module gets its own group
+if its class name is a configured layer class, or it is
+``model.get_input_embeddings()`` and the embeddings are untied.  Every other
+parameter, auxiliary embeddings included, stays in the root group, which is
+unsharded for the whole root forward, so raw reads are safe.
+
+Tying is decided by parameter identity, never by config flags (transformers
+versions disagree on which flag counts; see UPSTREAM.md "Tied embeddings").
+
+torch is imported lazily; nothing here runs at import.
+"""
+
+
+def layer_class_names(layer_classes):
+    """Normalise a layer-class selection (str, list, tuple, set, None) to a frozenset."""
+    if layer_classes is None:
+        return frozenset()
+    if isinstance(layer_classes, str):
+        return frozenset([layer_classes])
+    names = set()
+    for item in layer_classes:
+        if item is None:
+            continue
+        names.add(item if isinstance(item, str) else getattr(item, "__name__", str(item)))
+    return frozenset(names)
+
+
+def base_module(module):
+    """Look through PEFT wrappers to the module that owns the weight.
+
+    ``ModulesToSaveWrapper`` keeps the original in ``original_module``;
+    LoRA layers (``BaseTunerLayer``) expose ``get_base_layer()``.
+    """
+    seen = 0
+    while module is not None and seen < 8:
+        seen += 1
+        if hasattr(module, "get_base_layer"):
+            inner = module.get_base_layer()
+        else:
+            inner = getattr(module, "original_module", None)
+        if inner is None or inner is module:
+            return module
+        module = inner
+    return module
+
+
+def _weight(module):
+    import torch
+
+    if module is None:
+        return None
+    for candidate in (module, base_module(module)):
+        weight = getattr(candidate, "weight", None)
+        if isinstance(weight, torch.Tensor):
+            return weight
+    return None
+
+
+def _call_optional(model, method):
+    getter = getattr(model, method, None)
+    if getter is None:
+        return None
+    try:
+        return getter()
+    except (NotImplementedError, AttributeError):
+        return None
+
+
+def input_embedding(model):
+    """``model.get_input_embeddings()``, or ``None`` if the model has none."""
+    return _call_optional(model, "get_input_embeddings")
+
+
+def embeddings_tied(model):
+    """True when the input and output embeddings share one weight tensor.
+
+    Models without either embedding are untied.  A tensor shared through a
+    PEFT wrapper counts as tied.
+    """
+    w_in = _weight(input_embedding(model))
+    w_out = _weight(_call_optional(model, "get_output_embeddings"))
+    if w_in is None or w_out is None:
+        return False
+    if w_in is w_out:
+        return True
+    # Same storage under two Parameter objects (rare, but e.g. after manual tying).
+    try:
+        return w_in.data_ptr() == w_out.data_ptr() and w_in.data_ptr() != 0 and w_in.shape == w_out.shape
+    except RuntimeError:  # meta tensors / DTensors have no data pointer
+        return False
+
+
+def select_wrap_targets(model, layer_classes):
+    """Modules to ``fully_shard`` before the root, in ``model.modules()`` order.
+
+    ``layer_classes``: class names (str, list, tuple or set) or classes.
+    Returns layer-class modules, plus the input embedding when untied.
+    The root itself is never included.
+    """
+    names = layer_class_names(layer_classes)
+    embedding = None if embeddings_tied(model) else input_embedding(model)
+    chosen = []
+    for module in model.modules():
+        if module is model:
+            continue
+        if type(module).__name__ in names or module is embedding:
+            chosen.append(module)
+    return chosen
+
+
+def auxiliary_embeddings(model):
+    """``nn.Embedding`` modules that are not the input embedding (they stay in root)."""
+    import torch.nn as nn
+
+    embedding = input_embedding(model)
+    # Everything inside the input embedding (PEFT keeps copies there) is not auxiliary.
+    keep = {id(m) for m in embedding.modules()} if embedding is not None else set()
+    return [m for m in model.modules() if isinstance(m, nn.Embedding) and id(m) not in keep]

@@ -1,0 +1,34 @@
+"""SkyRL: the FSDP2 wrap selection, inline in ``apply_fsdp2`` in every release.
+
+Two distributions ship the same code under different module paths:
+- ``skyrl`` 0.1.0-0.3.0: ``skyrl.backends.skyrl_train.distributed.fsdp_utils``
+- ``skyrl-train`` 0.1.0-0.3.1: ``skyrl_train.distributed.fsdp_utils``
+``fsdp_strategy`` imports ``apply_fsdp2`` by name; the engine rebinds it.
+
+The fix upstream is SkyRL PR #2088 (issue #2087), not in any release yet.
+When it ships, add its releases as ``fixed_in``.
+"""
+
+from ..records import Target
+
+SKYRL = Target(
+    dist="skyrl",
+    module="skyrl.backends.skyrl_train.distributed.fsdp_utils",
+    attr="apply_fsdp2",
+    versions=">=0.1.0,<=0.3.0",
+    fingerprints={"0.1.0": "260e89f6d23e4b6c", "0.2.0-0.3.0": "9414d8830a5b5ef4"},
+    seam="fsdp2_compat.fixes.inline_selection:seam",
+    what="FSDP2 wrap selection (inline loop)",
+    diff="patches/skyrl/0.3.0/wrap-selection.diff",
+)
+
+SKYRL_TRAIN = Target(
+    dist="skyrl-train",
+    module="skyrl_train.distributed.fsdp_utils",
+    attr="apply_fsdp2",
+    versions=">=0.1.0,<=0.3.1",
+    fingerprints={"0.1.0-0.3.1": "c1723289c3265bd0"},
+    seam="fsdp2_compat.fixes.inline_selection:seam",
+    what="FSDP2 wrap selection (inline loop)",
+    diff="patches/skyrl-train/0.3.1/wrap-selection.diff",
+)

@@ -1,0 +1,53 @@
+"""What fsdp2-compat did in this process, as rows for people and machines."""
+
+from . import engine, guards
+
+
+def status(names=None):
+    """One dict per (patch, target): outcome, versions required and found, diff.
+
+    Targets still waiting for their module also show the installed version,
+    so "waiting" and "not installed" can be told apart.
+    """
+    rows = []
+    versions = {}
+    for name, outcome in engine.outcomes(names):
+        row = outcome.as_dict()
+        row["patch"] = name
+        dist = outcome.target.dist
+        if dist not in versions:
+            versions[dist] = guards.installed_version(dist)
+        row["installed"] = versions[dist]
+        if row["found"] is None:
+            row["found"] = versions[dist]
+        if outcome.kind in (engine.WAITING, engine.NOT_REQUESTED) and versions[dist] is None:
+            row["outcome"] = engine.NOT_INSTALLED
+        rows.append(row)
+    _mark_sibling_seams(rows)
+    return rows
+
+
+def _mark_sibling_seams(rows):
+    """An out-of-range seam whose release another seam of the patch covers is not a skip."""
+    for row in rows:
+        if row["outcome"] != engine.VERSION or not row["found"]:
+            continue
+        for other in rows:
+            if other is row or other["patch"] != row["patch"] or other["dist"] != row["dist"]:
+                continue
+            if other["module"] == row["module"] and guards.in_range(row["found"], other["required"]):
+                row["outcome"] = "other seam"
+                row["detail"] = "%s %s uses the %s seam" % (row["dist"], row["found"], other["attr"])
+                break
+
+
+def format_table(rows, columns=("patch", "dist", "found", "required", "what", "outcome", "detail")):
+    """Plain-text table, one line per row, columns sized to fit."""
+    header = [c.upper() for c in columns]
+    body = [[("" if r.get(c) is None else str(r.get(c))) for c in columns] for r in rows]
+    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(header)]
+    widths[-1] = len(header[-1])  # the last column is free text: do not pad it
+    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip()]
+    for b in body:
+        lines.append("  ".join(v.ljust(w) for v, w in zip(b, widths)).rstrip())
+    return "\n".join(lines)
