@@ -6,11 +6,15 @@ from . import engine, guards
 def status(names=None):
     """One dict per (patch, target): outcome, versions required and found, diff.
 
+    ``names`` defaults to the requested patches (all patches when none are).
+
     Targets still waiting for their module also show the installed version,
     so "waiting" and "not installed" can be told apart.
     """
     rows = []
     versions = {}
+    if names is None:
+        names = engine.requested() or None
     for name, outcome in engine.outcomes(names):
         row = outcome.as_dict()
         row["patch"] = name
