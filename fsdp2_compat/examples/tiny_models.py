@@ -24,6 +24,14 @@ glm4v, glm4v_moe, glm46v (GLM4V vision ``position_embedding`` into
 qwen2_audio, voxtral, audioflamingo3 (Whisper-style ``embed_positions``).
 qwen2, llama, qwen2_5_vl, qwen3_vl and qwen3_vl_moe are controls: their
 auxiliary embeddings are called as modules (or there are none).
+
+Observed with torch 2.13 CPU, one gloo rank, untied, every ``nn.Embedding``
+plus the ``_no_split_modules`` classes wrapped (verl/SkyRL selection):
+glm4v*/glm46v ``aten.grid_sampler_2d``; paddleocr_vl, qwen2_audio, voxtral,
+audioflamingo3 ``aten.add.Tensor``; lfm2_vl ``aten.copy_`` (on 5.x only when
+wrapped children-first: 5.x lists ``Siglip2VisionEmbeddings`` itself as a
+no-split class).  ``glm46v``, ``paddleocr_vl`` and ``audioflamingo3`` need
+transformers 5.x; ``available()`` says so on 4.x.
 """
 
 from __future__ import annotations
@@ -132,7 +140,7 @@ def _rope(theta: float = 10000.0, mrope_section=None, **extra) -> dict:
         return {"rope_parameters": params}
     out: dict = {"rope_theta": theta}
     if mrope_section is not None:
-        scaling = {"type": "default", "mrope_section": list(mrope_section)}
+        scaling = {"rope_type": "default", "mrope_section": list(mrope_section)}
         scaling.update(extra)
         out["rope_scaling"] = scaling
     return out
@@ -288,6 +296,7 @@ def _tiny_config(family: str, tie: bool):
             patch_size=_PATCH,
             num_patches=_GRID * _GRID,
             attention_dropout=0.0,
+            vision_use_head=False,  # as LFM2-VL checkpoints: no unused pooling head
         )
         text = _text(
             tie,
@@ -361,10 +370,9 @@ def _tiny_config(family: str, tie: bool):
             )
             token_kw = {"audio_token_id": _AUDIO}
         text = _text(tie, model_type="qwen2", **_rope())
-        kw = dict(audio_config=audio, text_config=text, **token_kw)
-        if major >= 5:
-            kw["tie_word_embeddings"] = tie
-        return cfg_cls(**kw)
+        # 4.57 ties by text_config and defaults the top-level flag to True:
+        # set both so every reader of the config sees the real tying.
+        return cfg_cls(audio_config=audio, text_config=text, tie_word_embeddings=tie, **token_kw)
 
     if family == "voxtral":
         audio = dict(
@@ -380,26 +388,24 @@ def _tiny_config(family: str, tie: bool):
             layerdrop=0.0,
         )
         text = _text(tie, model_type="llama", head_dim=_HEAD_DIM, **_rope())
-        kw = dict(audio_config=audio, text_config=text, audio_token_id=_AUDIO)
-        if major >= 5:
-            kw["tie_word_embeddings"] = tie
-        return cfg_cls(**kw)
+        return cfg_cls(
+            audio_config=audio, text_config=text, audio_token_id=_AUDIO, tie_word_embeddings=tie
+        )
 
     raise ValueError(f"unknown family {family!r}")
 
 
-def _set_tie(model, tie: bool) -> None:
-    """Make input/output embedding identity match ``tie``; flags alone disagree
-    across transformers versions, so fix the parameters and the flags."""
-    import torch
+def _quiet(fn, *args):
+    """Call ``fn`` with transformers logging at ERROR (PaddleOCR-VL's config
+    validator warns about its own ``mrope_section`` key on every build)."""
+    from transformers.utils import logging as hf_logging
 
-    inp = model.get_input_embeddings()
-    out = model.get_output_embeddings()
-    tied = inp.weight is out.weight
-    if tie and not tied:
-        out.weight = inp.weight
-    elif not tie and tied:
-        out.weight = torch.nn.Parameter(inp.weight.detach().clone())
+    old = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        return fn(*args)
+    finally:
+        hf_logging.set_verbosity(old)
 
 
 def build(family: str, *, tie: bool = False, seed: int = 0):
@@ -408,7 +414,7 @@ def build(family: str, *, tie: bool = False, seed: int = 0):
     import torch
     import transformers as T
 
-    config = _tiny_config(family, tie)
+    config = _quiet(_tiny_config, family, tie)
     model_cls = getattr(T, _CLASSES[family][0])
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -588,6 +594,10 @@ def real_size_config(family: str):
     device, not for loading weights.
     """
     _require(family)
+    return _quiet(_real_config, family)
+
+
+def _real_config(family: str):
     import transformers as T
 
     major = _tf_major()
@@ -691,7 +701,7 @@ def real_size_config(family: str):
         vision = dict(
             model_type="siglip2_vision_model", hidden_size=1152, intermediate_size=4304,
             num_hidden_layers=26, num_attention_heads=16, num_channels=3, patch_size=16,
-            num_patches=256,
+            num_patches=256, vision_use_head=False,
         )
         full = {2, 5, 8, 10, 12, 14}
         text = dict(
@@ -707,7 +717,10 @@ def real_size_config(family: str):
             projector_hidden_size=2560, downsample_factor=2, tie_word_embeddings=True,
         )
     if family == "paddleocr_vl":
-        # PaddlePaddle/PaddleOCR-VL config.json (0.9B: NaViT SigLIP tower + ERNIE-4.5-0.3B)
+        # PaddlePaddle/PaddleOCR-VL (NaViT SigLIP tower + ERNIE-4.5-0.3B); numbers
+        # are transformers' PaddleOCRVLConfig defaults, which name that
+        # checkpoint.  Tied as those defaults are: ~0.80B on meta (the card
+        # says "0.9B"; an untied lm_head would add 0.106B) - tying unverified.
         vision = dict(
             hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
             num_channels=3, image_size=384, patch_size=14, spatial_merge_size=2,
@@ -731,7 +744,9 @@ def real_size_config(family: str):
             max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=False,
             **_rope(10000.0),
         )
-        return cfg_cls(audio_config=audio, text_config=text, audio_token_index=151646)
+        return cfg_cls(
+            audio_config=audio, text_config=text, audio_token_index=151646, tie_word_embeddings=False
+        )
     if family == "voxtral":
         # mistralai/Voxtral-Mini-3B-2507 config.json (Whisper-large-v3 encoder + Ministral-3B)
         audio = dict(
@@ -744,9 +759,10 @@ def real_size_config(family: str):
             max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
             **_rope(100000000.0),
         )
-        return cfg_cls(audio_config=audio, text_config=text, audio_token_id=24)
+        return cfg_cls(audio_config=audio, text_config=text, audio_token_id=24, tie_word_embeddings=False)
     if family == "audioflamingo3":
-        # nvidia/audio-flamingo-3-hf config.json (Whisper-large-v3 encoder + Qwen2.5-7B)
+        # nvidia/audio-flamingo-3-hf (Whisper-large-v3 encoder + Qwen2.5-7B text);
+        # vocab 151672 (Qwen2.5 plus added audio tokens) is from memory, unverified
         audio = dict(
             num_mel_bins=128, num_hidden_layers=32, num_attention_heads=20, intermediate_size=5120,
             hidden_size=1280, max_source_positions=1500,
@@ -757,5 +773,7 @@ def real_size_config(family: str):
             max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=False,
             **_rope(1000000.0),
         )
-        return cfg_cls(audio_config=audio, text_config=text, audio_token_id=151669)
+        return cfg_cls(
+            audio_config=audio, text_config=text, audio_token_id=151669, tie_word_embeddings=False
+        )
     raise ValueError(f"unknown family {family!r}")
