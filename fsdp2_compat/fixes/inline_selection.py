@@ -12,7 +12,8 @@ function to swap for the selection alone, so the narrowest seam is the
   ``nn.Embedding`` the corrected rule does not select is skipped (its weights
   stay in the root group), and before the root call an untied input embedding
   that upstream skipped (config flag said "tied", weights say otherwise) gets
-  its own group.  Every other call goes to torch unchanged, with upstream's own
+  its own group.  A module inside one that already got a group in this call
+  is skipped too (``_no_split_modules`` that names a layer and its attention).  Every other call goes to torch unchanged, with upstream's own
   arguments, inside upstream's own code (``maybe_patch_fsdp_module`` etc.).
 
 Outside an ``apply_fsdp2`` call the ``fully_shard`` wrapper is a pass-through.
@@ -24,7 +25,7 @@ _plan = contextvars.ContextVar("fsdp2_compat_inline_plan", default=None)
 
 
 class _Plan:
-    __slots__ = ("model", "embedding", "embedding_done")
+    __slots__ = ("model", "embedding", "embedding_done", "parents", "wrapped")
 
     def __init__(self, model):
         from .selection import embeddings_tied, input_embedding
@@ -32,6 +33,20 @@ class _Plan:
         self.model = model
         self.embedding = None if embeddings_tied(model) else input_embedding(model)
         self.embedding_done = False
+        self.parents = {}  # id(child) -> parent module
+        for parent in model.modules():
+            for child in parent.children():
+                self.parents.setdefault(id(child), parent)
+        self.wrapped = set()  # ids of modules given a group during this call
+
+    def inside_wrapped(self, module):
+        """True when an ancestor already got its own group in this call."""
+        parent = self.parents.get(id(module))
+        while parent is not None and parent is not self.model:
+            if id(parent) in self.wrapped:
+                return True
+            parent = self.parents.get(id(parent))
+        return False
 
 
 def wrap_apply_fsdp2(original):
@@ -60,15 +75,17 @@ def wrap_fully_shard(original):
         if plan is None or not isinstance(module, nn.Module):
             return wrapped(*args, **kwargs)
         if module is plan.model:
-            if plan.embedding is not None and not plan.embedding_done:
+            if plan.embedding is not None and not plan.embedding_done and not plan.inside_wrapped(plan.embedding):
                 plan.embedding_done = True
                 wrapped(plan.embedding, *args[1:], **kwargs)
             return wrapped(*args, **kwargs)
+        if plan.inside_wrapped(module):
+            return module  # nested layer class: its ancestor's group already holds it
         if module is plan.embedding:
             plan.embedding_done = True
-            return wrapped(*args, **kwargs)
-        if isinstance(module, nn.Embedding):
+        elif isinstance(module, nn.Embedding):
             return module  # auxiliary (or tied) embedding: stays in the root group
+        plan.wrapped.add(id(module))
         return wrapped(*args, **kwargs)
 
     return wrapt.FunctionWrapper(original, fully_shard)

@@ -100,21 +100,35 @@ def embeddings_tied(model):
         return False
 
 
-def select_wrap_targets(model, layer_classes):
-    """Modules to ``fully_shard`` before the root, in ``model.modules()`` order.
+def select_wrap_targets(model, layer_classes, extra=None):
+    """Modules to ``fully_shard`` before the root, outermost first.
 
     ``layer_classes``: class names (str, list, tuple or set) or classes.
     Returns layer-class modules, plus the input embedding when untied.
-    The root itself is never included.
+    ``extra(name, module)`` may select more modules (verl's by-name groups).
+    The root itself is never included, and a module inside an already
+    selected one is left to it: ``_no_split_modules`` sometimes names a layer
+    *and* its attention (Qwen2-Audio, AudioFlamingo3), and FSDP2 refuses to
+    shard a parameter that an outer group already sharded.
     """
     names = layer_class_names(layer_classes)
     embedding = None if embeddings_tied(model) else input_embedding(model)
-    chosen = []
-    for module in model.modules():
-        if module is model:
-            continue
-        if type(module).__name__ in names or module is embedding:
-            chosen.append(module)
+    chosen, seen = [], set()
+
+    def visit(prefix, module, inside):
+        for child_name, child in module.named_children():
+            if id(child) in seen:
+                continue
+            seen.add(id(child))
+            name = prefix + child_name
+            picked = not inside and (
+                type(child).__name__ in names or child is embedding or (extra is not None and bool(extra(name, child)))
+            )
+            if picked:
+                chosen.append(child)
+            visit(name + ".", child, inside or picked)
+
+    visit("", model, False)
     return chosen
 
 

@@ -53,14 +53,15 @@ def select_verl(model, layer_classes):
     Same as ``select_wrap_targets`` plus verl's by-name ``embed_tokens`` /
     ``lm_head`` groups when the embeddings are untied (decided by identity).
     """
-    from ..fixes.selection import embeddings_tied, layer_class_names, select_wrap_targets
+    from ..fixes.selection import embeddings_tied, select_wrap_targets
 
-    chosen = {id(m) for m in select_wrap_targets(model, layer_class_names(layer_classes))}
+    by_name = None
     if not embeddings_tied(model):
-        for name, module in model.named_modules():
-            if name.rsplit(".", 1)[-1] in _VERL_NAMED and hasattr(module, "weight"):
-                chosen.add(id(module))
-    return [m for m in model.modules() if id(m) in chosen and m is not model]
+
+        def by_name(name, module):
+            return name.rsplit(".", 1)[-1] in _VERL_NAMED and hasattr(module, "weight")
+
+    return select_wrap_targets(model, layer_classes, extra=by_name)
 
 
 def selection_seam(module):

@@ -1,0 +1,182 @@
+"""Training scenarios on real FSDP2, through each framework's own ``apply_fsdp2``.
+
+``train(rank, world, framework, family, patches, ...)`` builds a tiny model,
+keeps an unsharded deep copy as the reference, shards the model with the
+framework's real ``apply_fsdp2`` and runs optimizer steps where every rank
+gets *different* data.  The reference trains on the mean of all ranks'
+losses, i.e. the data-parallel average gradient, so a rank that only sees its
+own gradient (the ``full_tensor()`` trap) cannot match it.
+
+The result is a plain dict (picklable across ranks): the wrapped module names,
+the first error message if the forward or backward raised, per-step losses
+and the worst errors (``max |a - b| / (1 + |b|)``) of loss, gradients and
+parameters against the reference.
+"""
+
+import importlib
+import sys
+
+FSDP_UTILS = {
+    "verl": "verl.utils.fsdp_utils",
+    "skyrl": "skyrl.backends.skyrl_train.distributed.fsdp_utils",
+    "skyrl-train": "skyrl_train.distributed.fsdp_utils",
+}
+
+
+def import_fsdp_utils(framework):
+    """Import the framework's real ``fsdp_utils`` module.
+
+    skyrl 0.2.0+ cannot ``import skyrl.backends`` on Python < 3.12 (its
+    ``__init__`` pulls a pydantic model that needs 3.12's TypedDict), although
+    ``fsdp_utils`` itself does not need that package ``__init__``.  There, and
+    only there, the package is registered without running its ``__init__``;
+    the module under test is still the released file, executed unchanged.
+    """
+    name = FSDP_UTILS[framework]
+    try:
+        return importlib.import_module(name)
+    except Exception:
+        if framework != "skyrl" or sys.version_info >= (3, 12):
+            raise
+    return _import_without_package_init(name, "skyrl.backends")
+
+
+def _import_without_package_init(name, package):
+    import importlib.util
+    import types
+
+    for key in [k for k in sys.modules if k == package or k.startswith(package + ".")]:
+        del sys.modules[key]
+    parent = importlib.import_module(package.rpartition(".")[0])
+    spec = importlib.util.find_spec(package)
+    stub = types.ModuleType(package)
+    stub.__path__ = list(spec.submodule_search_locations)
+    stub.__spec__ = spec
+    stub.__file__ = spec.origin
+    sys.modules[package] = stub
+    setattr(parent, package.rpartition(".")[2], stub)
+    return importlib.import_module(name)
+
+
+def wrapped_module_names(model):
+    from torch.distributed.fsdp import FSDPModule
+
+    return sorted(name or "<root>" for name, m in model.named_modules() if isinstance(m, FSDPModule))
+
+
+def _rel_err(actual, expected):
+    """max |a - b| / (1 + |b|): below ``tol`` means ``allclose(atol=tol, rtol=tol)``.
+
+    A pure relative error is meaningless for gradients that are zero up to
+    rounding (e.g. attention key biases, which softmax ignores).
+    """
+    if actual is None or expected is None:
+        return 0.0 if actual is None and expected is None else float("inf")
+    actual = actual.detach().float()
+    expected = expected.detach().float()
+    if not actual.numel():
+        return 0.0
+    return float(((actual - expected).abs() / (1 + expected.abs())).max())
+
+
+def _full(t):
+    from torch.distributed.tensor import DTensor
+
+    if t is None:
+        return None
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def train(rank, world, framework, family, patches, steps=2, tie=False, lr=0.05):
+    """One scenario on this rank; see the module docstring for the result."""
+    import copy
+
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import fsdp2_compat
+    from fsdp2_compat.examples import tiny_models
+
+    if patches:
+        fsdp2_compat.apply(patches)
+    fsdp_utils = import_fsdp_utils(framework)
+
+    model = tiny_models.build(family, tie=tie, seed=0)
+    reference = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))  # named, as verl and SkyRL do
+    result = {
+        "wrapped": None,
+        "error": None,
+        "losses": [],
+        "loss_err": 0.0,
+        "grad_err": 0.0,
+        "worst_grad": None,
+        "param_err": 0.0,
+        "grads_checked": 0,
+    }
+    try:
+        fsdp_utils.apply_fsdp2(model, {"mesh": mesh}, {})
+    except Exception as exc:  # torch refuses some broken plans at wrap time
+        result["error"] = "apply_fsdp2: %s: %s" % (type(exc).__name__, str(exc).splitlines()[0])
+        return result
+    result["wrapped"] = wrapped_module_names(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=lr)
+    for step in range(steps):
+        batches = [tiny_models.make_batch(family, reference, seed=1 + step * world + r) for r in range(world)]
+        try:
+            loss = model(**batches[rank]).loss
+            loss.backward()
+        except Exception as exc:
+            result["error"] = "step %d: %s: %s" % (step, type(exc).__name__, str(exc).splitlines()[0])
+            return result
+        ref_losses = [reference(**b).loss for b in batches]
+        (sum(ref_losses) / world).backward()
+        result["losses"].append(loss.item())
+        result["loss_err"] = max(result["loss_err"], _rel_err(loss, ref_losses[rank]))
+        for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+            err = _rel_err(_full(p.grad), q.grad)
+            result["grads_checked"] += int(q.grad is not None)
+            if err > result["grad_err"]:
+                result["grad_err"], result["worst_grad"] = err, name
+        optimizer.step()
+        ref_optimizer.step()
+        optimizer.zero_grad()
+        ref_optimizer.zero_grad()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        result["param_err"] = max(result["param_err"], _rel_err(_full(p), q))
+    return result
+
+
+def wrap_plans(rank, world, framework, families, patches):
+    """Per family, the FSDP units the framework creates unpatched and patched.
+
+    Returns ``{family: {"unpatched": [...] or "error: ...", "patched": [...],
+    "auxiliary": [...]}}``; the auxiliary embeddings are the ones the fix
+    keeps in the root group.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import fsdp2_compat
+    from fsdp2_compat.examples import tiny_models
+    from fsdp2_compat.fixes.selection import auxiliary_embeddings
+
+    fsdp_utils = import_fsdp_utils(framework)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))  # named, as verl and SkyRL do
+    plans = {}
+    for family in families:
+        plan = plans[family] = {}
+        for label in ("unpatched", "patched"):
+            model = tiny_models.build(family)
+            if label == "patched":
+                fsdp2_compat.apply(patches)
+            try:
+                fsdp_utils.apply_fsdp2(model, {"mesh": mesh}, {})
+                plan[label] = wrapped_module_names(model)
+            except Exception as exc:
+                plan[label] = "error: %s: %s" % (type(exc).__name__, str(exc).splitlines()[0])
+            finally:
+                fsdp2_compat.revert()
+        model = tiny_models.build(family)
+        plan["auxiliary"] = sorted(n for n, m in model.named_modules() if m in auxiliary_embeddings(model))
+    return plans
