@@ -263,7 +263,7 @@ def _swap(target, module):
     """Install every replacement of one seam, all or nothing."""
     from . import aliases
 
-    replacements = _resolve(target.seam)(module)
+    replacements = _resolve(target.seam)(module, target.attr)
     if target.attr not in replacements:
         raise TypeError("seam %s did not replace %s" % (target.seam, target.attr))
     applied = _Applied(module)

@@ -23,8 +23,8 @@ class Target:
     versions      PEP 440 specifier string the seam was verified on
     fingerprints  {release label: source fingerprint of ``module.attr``}
                   (see ``fsdp2_compat.guards.fingerprint``)
-    seam          ``"pkg.mod:function"``; ``function(module)`` returns
-                  ``{attr: replacement}`` for every module attribute it swaps
+    seam          ``"pkg.mod:function"``; ``function(module, attr)`` returns
+                  ``{attr: replacement, ...}`` for every module attribute it swaps
     fixed_in      specifier of releases that carry the fix (patch not needed)
     diff          path under ``patches/`` of the equivalent source diff
     """

@@ -18,14 +18,54 @@ _SELECTION_DELETE = (
     "input embedding for their own FSDP2 groups (SkyRL PR #2088 released; verl has no fix yet)"
 )
 
+_LM_HEAD_REFS = ("verl issue #4756", "verl PR #6659")
+_LM_HEAD_DELETE = (
+    "when verl's fused forwards gather lm_head.weight with a data-parallel-averaged "
+    "gradient (not plain full_tensor()) in every release you run"
+)
+
 PATCHES = (
     Patch(
         name="glm4v",
-        summary="aten.grid_sampler_2d got mixed torch.Tensor and DTensor (vision position_embedding read raw)",
+        summary="aten.grid_sampler_2d got mixed torch.Tensor and DTensor (vision position_embedding read raw); "
+        "verl fused forward reads a sharded lm_head.weight",
         families=("GLM-4.1V (Glm4v)", "GLM-4.5V (Glm4vMoe)", "GLM-4.6V (Glm46V)"),
-        targets=WRAP_SELECTION,
-        references=_SELECTION_REFS,
-        delete_when=_SELECTION_DELETE,
+        targets=WRAP_SELECTION + verl.GLM4V_FUSED,
+        references=_SELECTION_REFS + _LM_HEAD_REFS,
+        delete_when=_SELECTION_DELETE + "; and " + _LM_HEAD_DELETE,
+    ),
+    Patch(
+        name="qwen3vl",
+        summary="verl fused forward: aten.mm mixed Tensor/DTensor (0.7.1-0.8.0) or unaveraged lm_head "
+        "gradient from plain full_tensor() (0.9.x)",
+        families=("Qwen3-VL", "Qwen3-VL-MoE"),
+        targets=verl.QWEN3_VL_FUSED,
+        references=_LM_HEAD_REFS,
+        delete_when=_LM_HEAD_DELETE,
+    ),
+    Patch(
+        name="qwen2vl",
+        summary="verl fused forward reads a sharded lm_head.weight (aten.mm mixed Tensor/DTensor)",
+        families=("Qwen2-VL", "Qwen2.5-VL"),
+        targets=verl.QWEN2_VL_FUSED,
+        references=_LM_HEAD_REFS,
+        delete_when=_LM_HEAD_DELETE,
+    ),
+    Patch(
+        name="qwen35",
+        summary="verl fused forward: unaveraged lm_head gradient from plain full_tensor()",
+        families=("Qwen3.5", "Qwen3.5-MoE"),
+        targets=verl.QWEN3_5_FUSED,
+        references=_LM_HEAD_REFS,
+        delete_when=_LM_HEAD_DELETE,
+    ),
+    Patch(
+        name="textlm",
+        summary="verl fused forward for text-only models reads a sharded lm_head.weight (aten.mm mixed Tensor/DTensor)",
+        families=("text-only causal LMs served by verl's dense_common (Qwen2/2.5/3, Llama, ...)",),
+        targets=verl.DENSE_FUSED,
+        references=_LM_HEAD_REFS,
+        delete_when=_LM_HEAD_DELETE,
     ),
     Patch(
         name="lfm2vl",

@@ -26,6 +26,10 @@ def status(names=None):
             row["found"] = versions[dist]
         if outcome.kind in (engine.WAITING, engine.NOT_REQUESTED) and versions[dist] is None:
             row["outcome"] = engine.NOT_INSTALLED
+        elif outcome.kind == engine.WAITING and not guards.in_range(versions[dist], outcome.target.versions):
+            # Its module will never be imported from this release (e.g. renamed).
+            row["outcome"] = "not for this release"
+            row["detail"] = "required %s %s, found %s" % (dist, outcome.target.versions, versions[dist])
         rows.append(row)
     _mark_sibling_seams(rows)
     return rows

@@ -258,5 +258,6 @@ def test_status_cli_reports_the_applied_patch_as_json(python):
     target = verl_selection_target()
     assert verl_rows[target.key]["outcome"] == engine.APPLIED
     assert verl_rows[target.key]["found"] == VERL
-    others = [r for k, r in verl_rows.items() if k != target.key]
+    others = [r for k, r in verl_rows.items() if k != target.key and r["module"] == target.module]
+    assert others
     assert all(r["outcome"] == "other seam" for r in others)

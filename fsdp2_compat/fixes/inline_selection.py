@@ -91,7 +91,7 @@ def wrap_fully_shard(original):
     return wrapt.FunctionWrapper(original, fully_shard)
 
 
-def seam(module):
+def seam(module, attr="apply_fsdp2"):
     """Replacements for a module that defines ``apply_fsdp2`` and imports ``fully_shard``."""
     from ..guards import Drift
 
@@ -99,6 +99,6 @@ def seam(module):
     if fully_shard is None or not callable(fully_shard):
         raise Drift("%s has no module-global fully_shard (torch < 2.4?)" % module.__name__)
     return {
-        "apply_fsdp2": wrap_apply_fsdp2(module.__dict__["apply_fsdp2"]),
+        attr: wrap_apply_fsdp2(module.__dict__[attr]),
         "fully_shard": wrap_fully_shard(fully_shard),
     }

@@ -64,11 +64,106 @@ def select_verl(model, layer_classes):
     return select_wrap_targets(model, layer_classes, extra=by_name)
 
 
-def selection_seam(module):
+def selection_seam(module, attr):
     import wrapt
 
     def _select_fsdp2_wrap_targets(wrapped, instance, args, kwargs):
         return select_verl(*args, **kwargs)
 
-    original = module.__dict__["_select_fsdp2_wrap_targets"]
-    return {"_select_fsdp2_wrap_targets": wrapt.FunctionWrapper(original, _select_fsdp2_wrap_targets)}
+    return {attr: wrapt.FunctionWrapper(module.__dict__[attr], _select_fsdp2_wrap_targets)}
+
+
+# ---------------------------------------------------------------------------
+# Fused-kernel forwards (``use_fused_kernels=True``).  ``patch_forward_with_backends``
+# imports ``forward_with_torch_backend`` / ``forward_with_triton_backend`` from
+# these modules when the model is built and assigns one to the model class, so
+# replacing the module attribute is enough.  Each reads ``self.lm_head.weight``
+# raw (qwen3_vl 0.9.x and qwen3_5 call plain ``full_tensor()``: the gradient
+# trap); the wrapper unshards ``lm_head`` through FSDP first, so upstream's
+# read sees a plain, full, param_dtype tensor.  See fsdp2_compat.fixes.gather.
+
+_READER = "fsdp2_compat.fixes.gather:lm_head_reader_seam"
+
+
+def _fused(model_module, backend, versions, fingerprints):
+    return Target(
+        dist="verl",
+        module="verl.models.transformers." + model_module,
+        attr="forward_with_%s_backend" % backend,
+        versions=versions,
+        fingerprints=fingerprints,
+        seam=_READER,
+        what="fused %s forward reads lm_head.weight" % backend,
+        diff="patches/verl/0.9.1/%s-lm-head.diff" % model_module,
+    )
+
+
+QWEN3_VL_FUSED = (
+    _fused("qwen3_vl", "torch", ">=0.6.0,<=0.9.1", {
+        "0.6.0-0.7.1": "e6ea5557d4a41547",
+        "0.8.0": "ee4406373c544b20",
+        "0.9.0": "c4f71fadc8932585",
+        "0.9.1": "52f8d02f0867bac8",
+    }),
+    _fused("qwen3_vl", "triton", ">=0.6.0,<=0.9.1", {
+        "0.6.0-0.7.1": "d0bb3c5ea475719e",
+        "0.8.0-0.9.1": "df840afb97131c82",
+    }),
+)
+
+GLM4V_FUSED = (
+    _fused("glm4v", "torch", ">=0.6.0,<=0.9.1", {
+        "0.6.0-0.7.1": "603f0ce55900fffa",
+        "0.8.0-0.9.0": "f488ad4f247f515f",
+        "0.9.1": "bb84718af5f176ca",
+    }),
+    _fused("glm4v", "triton", ">=0.6.0,<=0.9.1", {
+        "0.6.0-0.7.1": "0b726f2f4793bbb6",
+        "0.8.0-0.9.1": "dcef062f8a09c0a1",
+    }),
+)
+
+QWEN2_VL_FUSED = (
+    _fused("qwen2_vl", "torch", ">=0.4.1,<=0.9.1", {
+        "0.4.1": "1c7d5a1aacf6e489",
+        "0.5.0": "f7638957d8603682",
+        "0.6.0-0.7.1": "50c009c81d7a3b5d",
+        "0.8.0-0.9.0": "038571ae2e42eb92",
+        "0.9.1": "5c5de580e35d5f03",
+    }),
+    _fused("qwen2_vl", "triton", ">=0.4.1,<=0.9.1", {
+        "0.4.1": "0215a5a95618f897",
+        "0.5.0": "ed6cfe5f68e1b2df",
+        "0.6.0-0.7.1": "30cd41ff9bb24d63",
+        "0.8.0-0.9.1": "177192f600f209b0",
+    }),
+    # Before 0.6.0 Qwen2.5-VL had a module of its own.
+    _fused("qwen2_5_vl", "torch", ">=0.4.1,<0.6.0", {"0.4.1": "ae4fafb6bb3cc703", "0.5.0": "536ed3517486ffd6"}),
+    _fused("qwen2_5_vl", "triton", ">=0.4.1,<0.6.0", {"0.4.1": "6cbf8a53b63a1812", "0.5.0": "e2312912cf53f6c1"}),
+)
+
+DENSE_FUSED = (
+    _fused("dense_common", "torch", ">=0.4.1,<=0.9.1", {
+        "0.4.1": "9318d4277933edfb",
+        "0.5.0-0.7.1": "c2d6c1e04d49c872",
+        "0.8.0-0.9.0": "d15e06a479f4e49e",
+        "0.9.1": "dc446b0fdc12cc42",
+    }),
+    _fused("dense_common", "triton", ">=0.4.1,<=0.9.1", {
+        "0.4.1": "766a8ad945249975",
+        "0.5.0-0.7.1": "c0489709bab6fbbd",
+        "0.8.0-0.9.1": "5769699326e173d2",
+    }),
+)
+
+QWEN3_5_FUSED = (
+    _fused("qwen3_5", "torch", ">=0.8.0,<=0.9.1", {
+        "0.8.0": "d8fbabf7125cb384",
+        "0.9.0": "43c9d0c701f0e117",
+        "0.9.1": "c575d244ecbc0505",
+    }),
+    _fused("qwen3_5", "triton", ">=0.8.0,<=0.9.1", {
+        "0.8.0": "13a26f0a2447e294",
+        "0.9.0-0.9.1": "86ad9675412832a6",
+    }),
+)
