@@ -43,7 +43,7 @@ def _get_context():
     return _context
 
 
-def _rank_main(fn, rank, world, init_file, args, results):
+def _rank_main(fn, rank, world, init_file, args, kwargs, results):
     import datetime
 
     import torch
@@ -59,20 +59,20 @@ def _rank_main(fn, rank, world, init_file, args, results):
             timeout=datetime.timedelta(seconds=120),
         )
         try:
-            results.put((rank, True, fn(rank, world, *args)))
+            results.put((rank, True, fn(rank, world, *args, **kwargs)))
         finally:
             dist.destroy_process_group()
     except BaseException as exc:  # report every failure to the parent
         results.put((rank, False, ("%s: %s" % (type(exc).__name__, exc), traceback.format_exc())))
 
 
-def run_ranks(fn, world, *args, timeout=300):
-    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return results by rank."""
+def run_ranks(fn, world, *args, kwargs=None, timeout=300):
+    """Run ``fn(rank, world, *args, **kwargs)`` on ``world`` gloo ranks; return results by rank."""
     ctx = _get_context()
     with tempfile.TemporaryDirectory(prefix="fsdp2_compat_ranks_") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         results = ctx.Queue()
-        procs = [ctx.Process(target=_rank_main, args=(fn, r, world, init_file, args, results)) for r in range(world)]
+        procs = [ctx.Process(target=_rank_main, args=(fn, r, world, init_file, args, kwargs or {}, results)) for r in range(world)]
         for p in procs:
             p.start()
         got, errors = {}, {}

@@ -180,3 +180,120 @@ def wrap_plans(rank, world, framework, families, patches):
         model = tiny_models.build(family)
         plan["auxiliary"] = sorted(n for n, m in model.named_modules() if m in auxiliary_embeddings(model))
     return plans
+
+
+def _rel_to_max(actual, expected):
+    """max |a - b| / max |b| (for low-precision comparisons of non-negligible tensors)."""
+    actual = actual.detach().float()
+    expected = expected.detach().float()
+    return float((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-12))
+
+
+def _fused_loss(out, batch):
+    """A PPO-shaped scalar from verl's fused outputs: masked log-prob mean plus entropy bonus."""
+    mask = batch["attention_mask"].to(out.log_probs.dtype)
+    return -(out.log_probs * mask).sum() / mask.sum() - 0.01 * (out.entropy * mask).sum() / mask.sum()
+
+
+def train_fused(rank, world, family, patches, steps=2, mesh_shape=None, bf16=False, lr=0.05):
+    """verl's fused-kernel path (``use_fused_kernels=True``, torch backend) on real FSDP2.
+
+    The model goes through verl's own ``apply_monkey_patch`` and
+    ``apply_fsdp2``; the reference is an unsharded copy with the same verl
+    forward, trained on the mean loss of all ranks' (different) batches.
+    ``mesh_shape=(2, 2)`` gives an HSDP mesh; ``bf16`` a bf16
+    ``MixedPrecisionPolicy`` (fp32 reduce).  The dtype and kind of the
+    ``vocab_weights`` that reach ``FusedLinearForPPO`` are recorded.
+    """
+    import copy
+
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    import fsdp2_compat
+    from fsdp2_compat.examples import tiny_models
+
+    if patches:
+        fsdp2_compat.apply(patches)
+    from verl.models.transformers.monkey_patch import apply_monkey_patch
+    from verl.utils import fsdp_utils
+    from verl.utils.experimental import torch_functional
+
+    model = tiny_models.build(family, tie=False, seed=0)
+    apply_monkey_patch(model, use_remove_padding=False, use_fused_kernels=True, fused_kernels_backend="torch")
+    reference = copy.deepcopy(model)
+    if mesh_shape is None:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+    else:
+        mesh = init_device_mesh("cpu", tuple(mesh_shape), mesh_dim_names=("ddp", "fsdp"))
+    kwargs = {"mesh": mesh}
+    if bf16:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    fsdp_utils.apply_fsdp2(model, kwargs, {})
+
+    seen, recording = [], [False]
+    original_forward = torch_functional.FusedLinearForPPO.forward
+
+    def spy(self, hidden_states, vocab_weights, *args, **kwargs):
+        if recording[0]:  # the sharded model's calls, not the reference's
+            seen.append((type(vocab_weights).__name__, str(vocab_weights.dtype), tuple(vocab_weights.shape)))
+        return original_forward(self, hidden_states, vocab_weights, *args, **kwargs)
+
+    torch_functional.FusedLinearForPPO.forward = spy
+    result = {
+        "wrapped": wrapped_module_names(model),
+        "error": None,
+        "losses": [],
+        "logprob_err": 0.0,
+        "loss_err": 0.0,
+        "grad_err": 0.0,
+        "worst_grad": None,
+        "lm_head_grad_err": 0.0,
+        "grad_rel_to_max": 0.0,
+        "param_err": 0.0,
+        "kernel_weights": seen,
+    }
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=lr)
+    try:
+        for step in range(steps):
+            batches = []
+            for r in range(world):
+                batch = tiny_models.make_batch(family, reference, seed=1 + step * world + r)
+                batch.pop("labels", None)
+                batches.append(batch)
+            try:
+                recording[0] = True
+                out = model(**batches[rank], return_dict=True)
+                recording[0] = False
+                loss = _fused_loss(out, batches[rank])
+                loss.backward()
+            except Exception as exc:
+                result["error"] = "step %d: %s: %s" % (step, type(exc).__name__, str(exc).splitlines()[0])
+                return result
+            ref_outs = [reference(**b, return_dict=True) for b in batches]
+            ref_losses = [_fused_loss(o, b) for o, b in zip(ref_outs, batches)]
+            (sum(ref_losses) / world).backward()
+            result["losses"].append(loss.item())
+            result["loss_err"] = max(result["loss_err"], _rel_err(loss, ref_losses[rank]))
+            result["logprob_err"] = max(result["logprob_err"], _rel_err(out.log_probs, ref_outs[rank].log_probs))
+            ref_scale = max(float(q.grad.abs().max()) for q in reference.parameters() if q.grad is not None)
+            for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+                grad = _full(p.grad)
+                err = _rel_err(grad, q.grad)
+                if name == "lm_head.weight":
+                    result["lm_head_grad_err"] = max(result["lm_head_grad_err"], err)
+                if err > result["grad_err"]:
+                    result["grad_err"], result["worst_grad"] = err, name
+                if q.grad is not None and float(q.grad.abs().max()) > 1e-3 * ref_scale:
+                    result["grad_rel_to_max"] = max(result["grad_rel_to_max"], _rel_to_max(grad, q.grad))
+            optimizer.step()
+            ref_optimizer.step()
+            optimizer.zero_grad()
+            ref_optimizer.zero_grad()
+        for p, q in zip(model.parameters(), reference.parameters()):
+            result["param_err"] = max(result["param_err"], _rel_err(_full(p), q))
+    finally:
+        torch_functional.FusedLinearForPPO.forward = original_forward
+    return result
