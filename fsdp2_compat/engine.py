@@ -42,6 +42,13 @@ class Fsdp2CompatError(RuntimeError):
     """A requested patch could not be applied and strict mode is on."""
 
 
+def diff_path(target, version):
+    """Repository path of the source diff equivalent to ``target`` for ``version``."""
+    if not target.diff or not version:
+        return None
+    return "patches/%s/%s/%s.diff" % (target.dist, version, target.diff)
+
+
 class Outcome:
     """What happened to one target, and why."""
 
@@ -65,7 +72,7 @@ class Outcome:
             "found": self.found,
             "outcome": self.kind,
             "detail": self.detail,
-            "diff": t.diff,
+            "diff": diff_path(t, self.found),
         }
 
     def __repr__(self):

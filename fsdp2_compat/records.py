@@ -26,7 +26,8 @@ class Target:
     seam          ``"pkg.mod:function"``; ``function(module, attr)`` returns
                   ``{attr: replacement, ...}`` for every module attribute it swaps
     fixed_in      specifier of releases that carry the fix (patch not needed)
-    diff          path under ``patches/`` of the equivalent source diff
+    diff          stem of the equivalent source diff: the file for release X is
+                  ``patches/<dist>/<X>/<diff>.diff`` in the repository
     """
 
     __slots__ = ("dist", "module", "attr", "versions", "fingerprints", "seam", "fixed_in", "diff", "what")

@@ -19,7 +19,7 @@ SKYRL = Target(
     fingerprints={"0.1.0": "260e89f6d23e4b6c", "0.2.0-0.3.0": "9414d8830a5b5ef4"},
     seam="fsdp2_compat.fixes.inline_selection:seam",
     what="FSDP2 wrap selection (inline loop)",
-    diff="patches/skyrl/0.3.0/wrap-selection.diff",
+    diff="wrap-selection",
 )
 
 SKYRL_TRAIN = Target(
@@ -30,5 +30,5 @@ SKYRL_TRAIN = Target(
     fingerprints={"0.1.0-0.3.1": "c1723289c3265bd0"},
     seam="fsdp2_compat.fixes.inline_selection:seam",
     what="FSDP2 wrap selection (inline loop)",
-    diff="patches/skyrl-train/0.3.1/wrap-selection.diff",
+    diff="wrap-selection",
 )

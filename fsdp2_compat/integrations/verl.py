@@ -27,7 +27,7 @@ WRAP_SELECTION_INLINE = Target(
     fingerprints={"0.4.0-0.5.0": "c1723289c3265bd0", "0.6.0-0.7.0": "26f7091741f9b7e0"},
     seam="fsdp2_compat.fixes.inline_selection:seam",
     what="FSDP2 wrap selection (inline loop)",
-    diff="patches/verl/0.7.0/wrap-selection.diff",
+    diff="wrap-selection",
 )
 
 WRAP_SELECTION = Target(
@@ -38,7 +38,7 @@ WRAP_SELECTION = Target(
     fingerprints={"0.7.1-0.9.1": "fc0a593bafb6050f"},
     seam="fsdp2_compat.integrations.verl:selection_seam",
     what="FSDP2 wrap selection",
-    diff="patches/verl/0.9.1/wrap-selection.diff",
+    diff="wrap-selection",
 )
 
 # verl 0.7.1+ also gives ``embed_tokens`` / ``lm_head`` their own groups by
@@ -94,7 +94,7 @@ def _fused(model_module, backend, versions, fingerprints):
         fingerprints=fingerprints,
         seam=_READER,
         what="fused %s forward reads lm_head.weight" % backend,
-        diff="patches/verl/0.9.1/%s-lm-head.diff" % model_module,
+        diff="%s-lm-head" % model_module,
     )
 
 
