@@ -1,0 +1,122 @@
+"""Memory honesty: what the wrap-selection fix moves out of its own FSDP unit.
+
+For each family a patch covers, build the real-size model on the meta device
+(no memory, no downloads), and count the parameters whose FSDP2 unit changes
+(upstream gives every untied nn.Embedding a unit of its own; the fix leaves
+auxiliary embeddings to the unit around them: the root, or a layer-class unit
+such as SigLIP2's embeddings in transformers 5.x).  The receiving unit is
+unsharded for its whole forward (the root: the whole step), so these
+parameters are held in full on every rank for longer than around their own
+read: that is the cost of the fix, printed in parameters and bf16 MiB.
+Persistent (sharded) memory does not change.
+
+    python benchmarks/moved_params.py [--json]
+"""
+
+import argparse
+import json
+import sys
+
+
+def owners(model, units):
+    """{param id: unit name} with each parameter owned by its deepest unit ("" = root)."""
+    unit_names = {id(m): n for n, m in model.named_modules() if id(m) in {id(u) for u in units}}
+    owner = {}
+    for name, module in model.named_modules():
+        unit = ""
+        prefix = name
+        while True:
+            m = model.get_submodule(prefix) if prefix else model
+            if id(m) in unit_names:
+                unit = unit_names[id(m)]
+                break
+            if not prefix:
+                break
+            prefix = prefix.rpartition(".")[0]
+        for p in module.parameters(recurse=False):
+            owner.setdefault(id(p), unit)
+    return owner
+
+
+def upstream_units(model):
+    """verl / SkyRL's inline rule: layer classes, plus every nn.Embedding when untied."""
+    import torch.nn as nn
+
+    from fsdp2_compat.fixes.selection import embeddings_tied, layer_class_names
+
+    names = layer_class_names(getattr(model, "_no_split_modules", None))
+    tied = embeddings_tied(model)
+    return [m for m in model.modules() if m is not model and (type(m).__name__ in names or (isinstance(m, nn.Embedding) and not tied))]
+
+
+def measure(family):
+    import torch
+    import transformers
+
+    from fsdp2_compat.examples import tiny_models
+    from fsdp2_compat.fixes.selection import select_wrap_targets
+
+    config = tiny_models.real_size_config(family)
+    with torch.device("meta"):
+        model = getattr(transformers, tiny_models._CLASSES[family][0])(config)
+    params = {id(p): p for p in model.parameters()}
+    before = owners(model, upstream_units(model))
+    after = owners(model, select_wrap_targets(model, getattr(model, "_no_split_modules", None)))
+    import torch.nn as nn
+
+    embedding_params = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters(recurse=False)}
+    changed = [pid for pid in params if before.get(pid) != after.get(pid)]
+    # Auxiliary embeddings leave their own unit: that is the memory cost.
+    moved = [pid for pid in changed if pid in embedding_params]
+    # A layer class nested in a kept layer (Qwen2-Audio's attention) joins it:
+    # it was unsharded inside that layer's forward anyway, so no cost.
+    nested = [pid for pid in changed if pid not in embedding_params]
+    moved_numel = sum(params[pid].numel() for pid in moved)
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {
+        "family": family,
+        "total_params": sum(p.numel() for p in params.values()),
+        "moved_params": moved_numel,
+        "moved_bf16_mib": moved_numel * 2 / 2**20,
+        "moved": sorted("%s -> %s" % (names[pid], after[pid] or "<root>") for pid in moved),
+        "nested_params_merged": sum(params[pid].numel() for pid in nested),
+    }
+
+
+def main(argv=None):
+    from fsdp2_compat import registry
+    from fsdp2_compat.examples import tiny_models
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("families", nargs="*")
+    args = parser.parse_args(argv)
+    covered = {
+        "glm4v": "glm4v", "glm4v_moe": "glm4v", "glm46v": "glm4v", "lfm2_vl": "lfm2vl",
+        "qwen2_audio": "qwen2audio", "voxtral": "voxtral", "audioflamingo3": "audioflamingo3",
+        "paddleocr_vl": "paddleocrvl", "qwen3_vl": "(none needed)",
+    }
+    assert set(v for v in covered.values() if not v.startswith("(")) <= set(registry.names())
+    rows = []
+    for family in args.families or covered:
+        if tiny_models.available(family) is not True:
+            continue
+        row = measure(family)
+        row["patch"] = covered.get(family, "")
+        rows.append(row)
+    if args.json:
+        json.dump(rows, sys.stdout, indent=2)
+        print()
+        return 0
+    print("%-15s %-14s %14s %11s %8s %9s %14s  %s" % (
+        "family", "patch", "total params", "moved", "share", "bf16 MiB", "nested merged", "auxiliary embedding -> unit"))
+    for r in rows:
+        print("%-15s %-14s %14d %11d %7.4f%% %9.1f %14d  %s" % (
+            r["family"], r["patch"], r["total_params"], r["moved_params"],
+            100.0 * r["moved_params"] / r["total_params"], r["moved_bf16_mib"], r["nested_params_merged"],
+            ", ".join(r["moved"]) or "-"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
