@@ -1,5 +1,6 @@
 """``fsdp2-compat``: see what applies to the installed packages.
 
+    fsdp2-compat check [--json] [--families a,b]
     fsdp2-compat status [--json] [--patches NAMES] [--no-import]
     fsdp2-compat list
     fsdp2-compat fingerprint FILE NAME
@@ -44,6 +45,12 @@ def _cmd_status(args):
     return 1 if bad else 0
 
 
+def _cmd_check(args):
+    from . import check
+
+    return check.main(args)
+
+
 def _cmd_list(args):
     from . import registry
 
@@ -66,6 +73,11 @@ def _cmd_fingerprint(args):
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="fsdp2-compat", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("check", help="run each covered bug unpatched and patched on tiny models (CPU, no downloads)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--families", help="comma-separated tiny model families (default: all covered)")
+    p.set_defaults(func=_cmd_check)
 
     p = sub.add_parser("status", help="apply the requested patches here and show what happened")
     p.add_argument("--json", action="store_true", help="machine-readable output")

@@ -1,0 +1,45 @@
+"""``fsdp2-compat check``: the README's first command, on the installed stack."""
+
+import json
+
+import pytest
+
+from fsdp2_compat import guards
+
+FRAMEWORKS = [d for d in ("verl", "skyrl", "skyrl-train") if guards.installed_version(d)]
+pytestmark = pytest.mark.skipif(not FRAMEWORKS, reason="no framework installed in this pinned set")
+
+
+def test_check_shows_the_crash_unpatched_and_the_fix_patched(python):
+    proc = python(
+        "import sys; from fsdp2_compat.cli import main; sys.exit(main(['check', '--json', '--families', 'glm4v,qwen2']))"
+    )
+    report = json.loads(proc.stdout)
+    assert report["failed"] == 0
+    glm = [r for r in report["rows"] if r["family"] == "glm4v"]
+    importable = {r["framework"] for r in report["rows"] if r["fixed"] is not None}
+    assert importable, report["rows"]
+    assert {r["framework"] for r in glm} == importable
+    for row in glm:
+        assert "aten.grid_sampler_2d.default got mixed torch.Tensor and DTensor" in row["unpatched"], row
+        assert row["patched"] == "ok" and row["loss_match"] and row["patch"] == "glm4v"
+
+
+def test_check_fails_when_a_patch_does_not_fix_its_case(python):
+    # Pair GLM4V with a patch that does not touch the wrap selection: the
+    # patched run still crashes, and check must say so with exit status 1.
+    proc = python(
+        """
+        import sys
+        from fsdp2_compat import check
+        check.SELECTION_CASES = {"glm4v": "qwen3vl"}
+        check.FUSED_CASES = {}
+        from fsdp2_compat.cli import main
+        sys.exit(main(["check", "--json", "--families", "glm4v"]))
+        """,
+        check=False,
+    )
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    report = json.loads(proc.stdout)
+    assert report["failed"] >= 1
+    assert all("grid_sampler_2d" in r["patched"] for r in report["rows"] if r["fixed"] is False)
