@@ -21,9 +21,15 @@ _LAZY = {
     "select_wrap_targets": ("fsdp2_compat.fixes.selection", "select_wrap_targets"),
     "embeddings_tied": ("fsdp2_compat.fixes.selection", "embeddings_tied"),
     "status": ("fsdp2_compat.status", "status"),
+    "gather_param": ("fsdp2_compat.fixes.gather", "gather_param"),
+    "gathered": ("fsdp2_compat.fixes.gather", "gathered"),
+    "GatherError": ("fsdp2_compat.fixes.gather", "GatherError"),
 }
 
-__all__ = ["apply", "revert", "patched", "status", "select_wrap_targets", "embeddings_tied", "Fsdp2CompatError", "ConfigError"]
+__all__ = [
+    "apply", "revert", "patched", "status", "select_wrap_targets", "embeddings_tied",
+    "gather_param", "gathered", "GatherError", "Fsdp2CompatError", "ConfigError",
+]
 
 
 def __getattr__(name):
