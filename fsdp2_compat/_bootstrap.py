@@ -1,0 +1,154 @@
+"""Process-wide activation: the code behind every implicit way in.
+
+Three mechanisms start fsdp2-compat without a line in the user's code, and all
+three follow one rule: **apply only when ``FSDP2_COMPAT_PATCHES`` is set to a
+non-empty value** (``all`` means every patch).  An installed package never
+changes training on its own.
+
+- Interpreter start: the wheel ships ``fsdp2_compat_bootstrap.pth`` (its one
+  line is ``PTH_LINE`` below) into site-packages.  With the variable unset the
+  line reads ``os.environ`` and stops: nothing is imported.  Set, it imports
+  this package and calls ``startup()``.  ``FSDP2_COMPAT_DISABLE_BOOTSTRAP=1``
+  turns this path off while keeping the variable for the other two.
+- verl >= 0.9.0: ``fsdp2_compat.plugin`` (entry point group ``verl.plugins``).
+- Ray workers: ``fsdp2_compat.ray_env.setup_worker`` (``worker_process_setup_hook``).
+
+``import fsdp2_compat.auto`` is the explicit way in and keeps its own rule
+(unset means all).  ``VERL_USE_EXTERNAL_MODULES=fsdp2_compat.auto`` uses it.
+
+Each mechanism records its decision here (``decisions()``), so status can say
+what started fsdp2-compat in a process, and what declined to and why.
+
+Importing this module has no side effects; it is stdlib only and cheap, since
+the ``.pth`` path runs in every Python process of the environment.
+"""
+
+import os
+import sys
+
+PATCHES_ENV = "FSDP2_COMPAT_PATCHES"  # same name as _config.PATCHES_ENV
+DISABLE_ENV = "FSDP2_COMPAT_DISABLE_BOOTSTRAP"
+
+# The file the wheel installs at the root of site-packages, and its only line.
+# setup.py reads both from this file (with ``ast``, without importing it).
+# site.py executes a .pth line that starts with "import"; this one:
+# - with the variable unset or blank: one dict lookup, no import, no output;
+# - set: imports this package and calls startup(), which never raises;
+# - set, but the package is gone (half-uninstalled): one line on stderr.
+# An exception escaping a .pth line would make site.py print a traceback and
+# skip the rest of the file; nothing here lets one escape.  Python 3.11's
+# site.py processes a venv's site-packages twice (venv() and then
+# addsitepackages()), so the line marks ``sys`` and runs once per process.
+PTH_NAME = "fsdp2_compat_bootstrap.pth"
+PTH_LINE = (
+    "import os; "
+    'exec("import sys\\n'
+    "if not hasattr(sys, '_fsdp2_compat_pth'):\\n"
+    " sys._fsdp2_compat_pth = 1\\n"
+    " try:\\n"
+    "  import fsdp2_compat._bootstrap as b; b.startup()\\n"
+    " except Exception as e:\\n"
+    "  sys.stderr.write('fsdp2-compat: start-up bootstrap skipped (%s: %s)\\\\n' % (type(e).__name__, e))\")"
+    ' if os.environ.get("FSDP2_COMPAT_PATCHES", "").strip() else None'
+)
+
+_TRUE = ("1", "true", "yes", "on")
+
+_decisions = {}  # source ("bootstrap", "plugin", "ray") -> decision dict
+
+
+def selection_from_env(environ=None):
+    """The non-empty, stripped ``FSDP2_COMPAT_PATCHES`` value, or None."""
+    value = (os.environ if environ is None else environ).get(PATCHES_ENV)
+    if value is None or not value.strip():
+        return None
+    return value.strip()
+
+
+def bootstrap_disabled(environ=None):
+    value = (os.environ if environ is None else environ).get(DISABLE_ENV, "")
+    return value.strip().lower() in _TRUE
+
+
+def _decision(source, active, reason, requested=(), error=None):
+    return {
+        "source": source,
+        "active": bool(active),
+        "requested": list(requested),
+        "reason": reason,
+        "error": error,
+    }
+
+
+def record(source, decision):
+    """Remember ``decision`` as what ``source`` did in this process."""
+    _decisions[source] = decision
+    return decision
+
+
+def decisions():
+    """``{source: decision}`` for every mechanism that ran in this process.
+
+    A decision is ``{"source", "active", "requested", "reason", "error"}``;
+    a source that never ran (e.g. verl not imported: no plugin) is absent.
+    """
+    return {k: dict(v, requested=list(v["requested"])) for k, v in _decisions.items()}
+
+
+def describe(decision):
+    """One line for people, e.g. ``plugin loaded, inactive: FSDP2_COMPAT_PATCHES unset``."""
+    what = {"bootstrap": "start-up bootstrap (.pth)", "plugin": "verl plugin", "ray": "Ray setup hook"}
+    name = what.get(decision["source"], decision["source"])
+    if decision.get("error"):
+        return "%s loaded, failed: %s" % (name, decision["error"])
+    if decision["active"]:
+        return "%s loaded, active: requested %s (%s)" % (name, ", ".join(decision["requested"]), decision["reason"])
+    return "%s loaded, inactive: %s" % (name, decision["reason"])
+
+
+def activate(source, environ=None):
+    """Request the patches named in ``FSDP2_COMPAT_PATCHES``; record and return the decision.
+
+    Unset or blank: nothing is requested (and nothing imported beyond this
+    package).  A selection that cannot be parsed raises
+    ``fsdp2_compat.ConfigError`` after recording the failure: each caller
+    decides how loud to be.
+    """
+    selection = selection_from_env(environ)
+    if selection is None:
+        return record(source, _decision(source, False, "%s unset" % PATCHES_ENV))
+    from . import engine
+
+    try:
+        requested = engine.apply(selection)
+    except Exception as exc:
+        record(
+            source,
+            _decision(source, False, "%s=%s" % (PATCHES_ENV, selection), error="%s: %s" % (type(exc).__name__, exc)),
+        )
+        raise
+    reason = "%s=%s" % (PATCHES_ENV, selection)
+    if not requested:
+        return record(source, _decision(source, False, reason + " selects no patch"))
+    return record(source, _decision(source, True, reason, requested))
+
+
+def startup():
+    """Called by the ``.pth`` line at interpreter start (variable set). Never raises.
+
+    Prints at most one line to stderr, and only when it could not do what the
+    variable asks (a typo in the selection, a broken installation).
+    """
+    try:
+        if bootstrap_disabled():
+            record("bootstrap", _decision("bootstrap", False, "%s is set" % DISABLE_ENV))
+            return
+        activate("bootstrap")
+    except Exception as exc:  # site start-up must never fail because of us
+        try:
+            sys.stderr.write(
+                "fsdp2-compat: start-up bootstrap applied nothing: %s: %s\n"
+                % (type(exc).__name__, str(exc).replace("\n", " "))
+            )
+        except Exception:
+            pass
