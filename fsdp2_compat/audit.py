@@ -418,16 +418,14 @@ def audit(model, batch, units, *, plan=None):
     patch only for verl's fused-forward ``lm_head`` reads.  No process group, no FSDP; the
     model is not modified (hooks are removed afterwards).
     """
-    unknown = [u for u in units if u and u not in set(_module_names(model).values())]
+    names = _module_names(model)
+    valid, unit_set = set(names.values()), set(units)
+    unknown = [u for u in units if u and u not in valid]
     if unknown:
         raise AuditInputError("units name no module of this model: %s" % ", ".join(unknown))
     owners = parameter_owners(model, units)
-    names = _module_names(model)
     classes = {id(m): type(m).__name__ for m in model.modules()}
-    unit_of = {}
-    for name, m in model.named_modules():
-        if name in set(units) or m is model:
-            unit_of[id(m)] = name
+    unit_of = {id(m): name for name, m in model.named_modules() if name in unit_set or m is model}
     Mode, state = _tracker(owners, names)
 
     def pre(module, args):
@@ -805,20 +803,20 @@ def _from_json(path, sets, tie, notes):
     if family is not None and tiny_models.available(family) is True:
         # Geometry, token ids and rotary settings of the tiny family (the batch depends on them);
         # everything else (flags, tying, optional heads) as in the file.
-        tie_top = raw.get("tie_word_embeddings")
-        tie_text = (raw.get("text_config") or {}).get("tie_word_embeddings")
-        tiny = tiny_models._quiet(tiny_models._tiny_config, family, bool(tie_top) if tie_top is not None else tie)
+        tiny = tiny_models._quiet(tiny_models._tiny_config, family, False)
         tiny_d = tiny.to_diff_dict()
         for sub in [d] + [v for v in d.values() if isinstance(v, dict)]:
             sub_tiny = tiny_d if sub is d else next((tiny_d.get(k) for k, v in d.items() if v is sub), None)
             if isinstance(sub_tiny, dict) and any(k in sub_tiny for k in ("rope_parameters", "rope_scaling", "rope_theta")):
                 for k in ("rope_parameters", "rope_scaling", "rope_theta", "partial_rotary_factor"):
                     sub.pop(k, None)
+        # Tying stays as the file (or, where it is silent, the config class default) says.
+        for sub in [tiny_d] + [v for v in tiny_d.values() if isinstance(v, dict)]:
+            sub.pop("tie_word_embeddings", None)
         _deep_merge(d, tiny_d)
-        if tie_top is not None:
-            d["tie_word_embeddings"] = tie_top
-        if tie_text is not None and isinstance(d.get("text_config"), dict):
-            d["text_config"]["tie_word_embeddings"] = tie_text
+        if tie:
+            for sub in [d] + [v for k, v in d.items() if k == "text_config" and isinstance(v, dict)]:
+                sub["tie_word_embeddings"] = True
         d.pop("architectures", None)
         config = tiny_models._quiet(cfg_cls.from_dict, d)
         _apply_sets(config, sets)
@@ -999,7 +997,7 @@ def format_sweep(rows, markdown=False):
 def _short_problem(p):
     if p.startswith("unit ") and " is nested in unit " in p:
         inner, _, rest = p[5:].partition(" is nested in unit ")
-        return "nested: %s in %s" % (inner, rest.partition(" ")[0])
+        return "nested: %s in %s" % (inner, rest.partition(" ")[0].rstrip(",:"))
     if p.startswith("tied parameter "):
         return "split tied: " + p.split(" ")[2]
     if p.startswith("model._no_split_modules is empty"):

@@ -332,6 +332,22 @@ def test_cli_config_class_and_config_json(capsys, tmp_path):
     assert rep["hazards"] == [] and "text-only" in rep["notes"][0]
 
 
+@pytest.mark.parametrize("family", ["lfm2_vl", "qwen2_audio"])
+def test_config_json_keeps_the_files_tying(capsys, tmp_path, family):
+    """A published config that is silent about tying gets the config class default, not the tiny
+    family's explicit False (LFM2-VL-1.6B is tied: no embedding unit, no hazard)."""
+    tiny(family)
+    config = tiny_models.real_size_config(family)
+    path = tmp_path / "config.json"
+    config.to_json_file(str(path))
+    rc = audit.main(["--config-json", str(path), "--plan", "skyrl", "--json"])
+    rep = json.loads(capsys.readouterr().out)
+    if config.tie_word_embeddings:
+        assert rc == 0 and rep["hazards"] == [], rep["hazards"]
+    else:
+        assert rc == 1 and [h["patch"] for h in rep["hazards"]] == [PATCH_OF[family]]
+
+
 def test_audit_module_imports_without_torch(python):
     proc = python("import sys, fsdp2_compat.audit; print('torch' in sys.modules, 'transformers' in sys.modules)")
     assert proc.stdout.split() == ["False", "False"]
