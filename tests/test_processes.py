@@ -389,7 +389,8 @@ def test_verl_use_external_modules_imports_auto_before_targets(python):
     """verl 0.6.0+ ``import verl`` runs ``importlib.import_module`` on each name.
 
     Runs the repository's code (PYTHONPATH=repo; the tf4 venv has it editable).
-    verl's plugin loading is off so that only VERL_USE_EXTERNAL_MODULES acts.
+    verl's plugin loading and any .pth bootstrap are off, so
+    only VERL_USE_EXTERNAL_MODULES can import ``fsdp2_compat.auto``.
     """
     code = REPORT + textwrap.dedent(
         """
@@ -401,13 +402,12 @@ def test_verl_use_external_modules_imports_auto_before_targets(python):
         emit(r)
         """
     )
-    env = {"PYTHONPATH": REPO, "VERL_USE_EXTERNAL_PLUGINS": "none", "FSDP2_COMPAT_PATCHES": "glm4v"}
-    on = _result(subprocess.run([python, "-c", code], env=_clean_env(VERL_USE_EXTERNAL_MODULES="fsdp2_compat.auto", **env), capture_output=True, text=True, timeout=600))
+    env = {"PYTHONPATH": REPO, "VERL_USE_EXTERNAL_PLUGINS": "none", "FSDP2_COMPAT_PATCHES": "glm4v", "FSDP2_COMPAT_DISABLE_BOOTSTRAP": "1"}
+    env["VERL_USE_EXTERNAL_MODULES"] = "fsdp2_compat.auto"
+    on = _result(subprocess.run([python, "-c", code], env=_clean_env(**env), capture_output=True, text=True, timeout=600))
     assert guards.in_range(on["verl"], ">=0.6.0")
     assert on["auto"] is True and on["target_before"] is False
     assert on["requested"] == ["glm4v"] and _applied(on, "verl.utils.fsdp_utils"), on["rows"]
-    off = _result(subprocess.run([python, "-c", code], env=_clean_env(**env), capture_output=True, text=True, timeout=600))
-    assert off["auto"] is False and off["requested"] == []
 
 
 # -- slow: a real local Ray cluster -------------------------------------------------------
@@ -438,6 +438,11 @@ opts, frameworks = {}, []
 if mode == "plugin":
     ray.init(address=address)
     opts = {"runtime_env": {"env_vars": {"FSDP2_COMPAT_PATCHES": "glm4v", "FSDP2_COMPAT_DISABLE_BOOTSTRAP": "1"}}}
+    frameworks = ["verl"]
+elif mode == "external-modules":
+    ray.init(address=address)
+    opts = {"runtime_env": {"env_vars": {"FSDP2_COMPAT_PATCHES": "glm4v", "FSDP2_COMPAT_DISABLE_BOOTSTRAP": "1",
+                                         "VERL_USE_EXTERNAL_MODULES": "fsdp2_compat.auto", "VERL_USE_EXTERNAL_PLUGINS": "none"}}}
     frameworks = ["verl"]
 elif mode == "helper-skyrl":
     from fsdp2_compat.ray_env import runtime_env
@@ -548,6 +553,18 @@ def test_ray_actor_gets_patch_through_verl_plugin(venv, ray_cluster):
     assert r["decisions"]["bootstrap"]["active"] is False  # disabled: the plugin did it
     assert r["plugin"]["active"] is True and r["requested"] == ["glm4v"]
     assert _applied(r, "verl.utils.fsdp_utils"), r["rows"]
+
+
+@slow
+@pytest.mark.xdist_group("fsdp2_compat_ray")
+@pytest.mark.skipif(not _verl_at_least("0.6.0"), reason="VERL_USE_EXTERNAL_MODULES needs verl 0.6.0+ (found %s)" % VERL)
+def test_ray_actor_gets_patch_through_verl_external_modules(venv, ray_cluster):
+    """The verl 0.6-0.8 recipe: VERL_USE_EXTERNAL_MODULES in the actor's env_vars (plugins and bootstrap off)."""
+    r = _ray_driver(venv, ray_cluster, "external-modules")
+    _skip_missing_dependency(r, "verl")
+    assert r["before"]["requested"] == []
+    assert r["plugin_loaded"] is False and r["decisions"]["bootstrap"]["active"] is False
+    assert r["requested"] == ["glm4v"] and _applied(r, "verl.utils.fsdp_utils"), r["rows"]
 
 
 @slow
