@@ -106,6 +106,62 @@ def describe(decision):
     return "%s loaded, inactive: %s" % (name, decision["reason"])
 
 
+def installed_pth_files():
+    """Paths of our ``.pth`` in this interpreter's site directories (empty: editable/not installed)."""
+    import site
+
+    dirs = list(site.getsitepackages()) if hasattr(site, "getsitepackages") else []
+    if site.ENABLE_USER_SITE and hasattr(site, "getusersitepackages"):
+        dirs.append(site.getusersitepackages())
+    found = []
+    for d in dirs:
+        path = os.path.join(d, PTH_NAME)
+        if os.path.exists(path) and path not in found:
+            found.append(path)
+    return found
+
+
+def plugin_registered():
+    """True when ``verl.plugins`` holds our entry point (what verl 0.9+ would load)."""
+    from importlib.metadata import entry_points
+
+    try:
+        eps = entry_points(group="verl.plugins")
+    except TypeError:  # Python < 3.10 API
+        eps = entry_points().get("verl.plugins", ())
+    return any(ep.value.split(":")[0] == "fsdp2_compat.plugin" for ep in eps)
+
+
+def activation_summary():
+    """What the implicit mechanisms did here, for ``fsdp2-compat status``.
+
+    ``{"decisions": ..., "pth": [paths], "plugin_registered": bool, "lines": [str]}``;
+    ``lines`` are ready to print.  Reads metadata (importlib.metadata): call it
+    from status, never at start-up.
+    """
+    seen = decisions()
+    pth = installed_pth_files()
+    registered = plugin_registered()
+    lines = []
+    if "bootstrap" in seen:
+        lines.append("bootstrap: " + describe(seen["bootstrap"]))
+    elif pth:
+        reason = "%s unset" % PATCHES_ENV if selection_from_env() is None else "did not run in this process"
+        lines.append("bootstrap: start-up bootstrap (.pth) installed, inactive: %s" % reason)
+    else:
+        lines.append("bootstrap: no %s in site-packages (editable install?): start-up bootstrap off" % PTH_NAME)
+    if "plugin" in seen:
+        lines.append("plugin: " + describe(seen["plugin"]))
+    elif registered:
+        lines.append("plugin: verl plugin registered, not loaded in this process (verl not imported, verl < 0.9.0, "
+                     "or VERL_USE_EXTERNAL_PLUGINS excludes it)")
+    else:
+        lines.append("plugin: verl plugin not registered (reinstall fsdp2-compat)")
+    if "ray" in seen:
+        lines.append("ray: " + describe(seen["ray"]))
+    return {"decisions": seen, "pth": pth, "plugin_registered": registered, "lines": lines}
+
+
 def activate(source, environ=None):
     """Request the patches named in ``FSDP2_COMPAT_PATCHES``; record and return the decision.
 

@@ -229,6 +229,8 @@ def test_entry_point_discoverable_from_installed_wheel(venv):
         module = ep.load()   # what verl does
         r = report()
         r["ep"] = {"value": ep.value, "dist_path": str(ep.dist._path), "module": module.__name__}
+        from fsdp2_compat import _bootstrap
+        r["summary"] = _bootstrap.activation_summary()
         emit(r)
         """
     )
@@ -240,6 +242,13 @@ def test_entry_point_discoverable_from_installed_wheel(venv):
     assert r["plugin"]["active"] is False and r["plugin"]["reason"] == "FSDP2_COMPAT_PATCHES unset"
     assert r["requested"] == [] and r["waiting"] == []
     assert _bootstrap.describe(r["plugin"]) == "verl plugin loaded, inactive: FSDP2_COMPAT_PATCHES unset"
+    # What `fsdp2-compat status` can print about the implicit mechanisms.
+    summary = r["summary"]
+    assert summary["plugin_registered"] is True and summary["pth"] == [os.path.join(venv.site, _bootstrap.PTH_NAME)]
+    assert summary["lines"] == [
+        "bootstrap: start-up bootstrap (.pth) installed, inactive: FSDP2_COMPAT_PATCHES unset",
+        "plugin: verl plugin loaded, inactive: FSDP2_COMPAT_PATCHES unset",
+    ]
 
 
 def test_pth_unset_imports_nothing(venv, tmp_path):
@@ -261,6 +270,8 @@ def test_pth_set_requests_at_startup_without_heavy_imports(venv):
         import sys
         heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers", "verl", "skyrl", "wrapt", "packaging", "logging") or m == "importlib.metadata")
         r = report(); r["heavy"] = heavy
+        from fsdp2_compat import _bootstrap
+        r["lines"] = _bootstrap.activation_summary()["lines"]
         emit(r)
         """,
         env={"FSDP2_COMPAT_PATCHES": "glm4v"},
@@ -271,6 +282,7 @@ def test_pth_set_requests_at_startup_without_heavy_imports(venv):
     assert r["heavy"] == []
     assert r["decisions"]["bootstrap"]["active"] is True and r["requested"] == ["glm4v"]
     assert any(name.endswith("fsdp_utils") for name in r["waiting"]), r["waiting"]
+    assert r["lines"][0] == "bootstrap: start-up bootstrap (.pth) loaded, active: requested glm4v (FSDP2_COMPAT_PATCHES=glm4v)"
 
 
 def test_pth_bad_selection_is_one_stderr_line(venv):
