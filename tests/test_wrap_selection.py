@@ -107,3 +107,19 @@ def test_patched_plan_differs_from_upstream_only_by_auxiliary_embeddings(framewo
             # Anything else dropped is a layer class nested in a unit the fix kept.
             nested = dropped - set(plan["auxiliary"])
             assert all(any(n.startswith(p + ".") for p in patched) for n in nested), (family, nested)
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_tied_weights_under_an_untied_flag_train_when_patched(framework):
+    """Tied by identity, ``config.tie_word_embeddings`` False (Qwen3-VL on 4.57):
+    upstream shards the shared embedding in its own unit, so ``lm_head`` reads a
+    sharded weight; the fix decides by identity and gives neither its own unit."""
+    if usable("qwen3_vl") is not True:
+        pytest.skip(str(usable("qwen3_vl")))
+    unpatched = run_ranks(train, 2, framework, "qwen3_vl", None, kwargs={"tie": "weights-only"})[0]
+    assert unpatched["error"] is not None, "upstream trained a tied model split across units?"
+    results = run_ranks(train, 2, framework, "qwen3_vl", "glm4v", kwargs={"tie": "weights-only"})
+    for r in results:
+        assert r["error"] is None, r["error"]
+        assert "model.language_model.embed_tokens" not in r["wrapped"] and "lm_head" not in r["wrapped"]
+        assert r["loss_err"] < TOL and r["grad_err"] < TOL, (r["worst_grad"], r["grad_err"])
