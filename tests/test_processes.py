@@ -42,7 +42,7 @@ import zipfile
 
 import pytest
 
-from fsdp2_compat import _bootstrap, engine, guards, registry
+from fsdp2_compat import _bootstrap, engine, guards
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VERL = guards.installed_version("verl")
