@@ -1,6 +1,7 @@
 """``fsdp2-compat``: see what applies to the installed packages.
 
     fsdp2-compat check [--json] [--families a,b]
+    fsdp2-compat audit --model FAMILY --plan verl|skyrl|fixed|hyperparallel|NAMES [--json]
     fsdp2-compat status [--json] [--patches NAMES] [--no-import]
     fsdp2-compat list
     fsdp2-compat fingerprint FILE NAME
@@ -33,14 +34,25 @@ def _cmd_status(args):
             except Exception as exc:  # report, keep going: status must always print
                 errors[target.module] = "%s: %s" % (type(exc).__name__, exc)
     rows = status()
+    from ._bootstrap import activation_summary
+
+    # How fsdp2-compat reaches other processes (start-up .pth, verl plugin, Ray hook).
+    activation = activation_summary()
     if args.json:
-        json.dump({"requested": list(chosen), "rows": rows, "import_errors": errors}, sys.stdout, indent=2)
+        json.dump(
+            {"requested": list(chosen), "rows": rows, "import_errors": errors, "activation": activation},
+            sys.stdout,
+            indent=2,
+            default=str,
+        )
         sys.stdout.write("\n")
     else:
         print("requested: %s" % (", ".join(chosen) or "none"))
         print(format_table(rows))
         for module, error in errors.items():
             print("could not import %s: %s" % (module, error))
+        for line in activation["lines"]:
+            print(line)
     bad = [r for r in rows if r["outcome"] in (engine.FAILED, engine.DRIFTED)]
     return 1 if bad else 0
 
@@ -78,6 +90,12 @@ def main(argv=None):
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--families", help="comma-separated tiny model families (default: all covered)")
     p.set_defaults(func=_cmd_check)
+
+    p = sub.add_parser("audit", help="find raw reads across FSDP units for a wrap plan, in one CPU forward")
+    from . import audit
+
+    audit.add_arguments(p)
+    p.set_defaults(func=audit.run)
 
     p = sub.add_parser("status", help="apply the requested patches here and show what happened")
     p.add_argument("--json", action="store_true", help="machine-readable output")

@@ -7,6 +7,11 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# A developer's exported selection must not leak into the tests (the verl
+# plugin and the start-up bootstrap read it in this process and its children).
+for _name in [n for n in os.environ if n.startswith("FSDP2_COMPAT_")]:
+    del os.environ[_name]
+
 
 def run_python(code, env=None, check=True, timeout=300):
     """Run ``code`` in a fresh interpreter (clean import state); return CompletedProcess."""
