@@ -80,3 +80,17 @@ def test_hsdp_mesh_averages_over_both_dimensions():
         assert r["lm_head_grad_err"] < TOL and r["grad_err"] < TOL, (rank, r["worst_grad"], r["grad_err"])
         assert r["logprob_err"] < TOL
     assert len({tuple(r["losses"]) for r in results}) == 4  # four different batches
+
+
+@pytest.mark.skipif(not FULL_TENSOR_TRAP, reason="upstream plain full_tensor() exists in verl >= 0.9 only")
+def test_patch_gathers_lm_head_in_bf16_and_reduces_its_gradient():
+    """benchmarks/lm_head_gather.py, asserted: bytes are deterministic, unlike time."""
+    from fsdp2_compat.examples.scenarios import lm_head_traffic
+
+    upstream = run_ranks(lm_head_traffic, 2, None)[0]
+    patched = run_ranks(lm_head_traffic, 2, "qwen3vl")[0]
+    n = upstream["lm_head_numel"]
+    assert upstream["all_gather_bytes"] == 4 * n and upstream["reduce_scatter_bytes"] == 0  # fp32 gather, no reduction
+    assert patched["all_gather_bytes"] == 2 * n and patched["kernel_weight_bytes"] == 2 * n  # bf16
+    assert patched["reduce_scatter_bytes"] == 4 * n  # the fp32 gradient is reduce-scattered (averaged)
+    assert patched["error"] is None

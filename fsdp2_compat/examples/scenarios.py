@@ -305,3 +305,84 @@ def train_fused(rank, world, family, patches, steps=2, mesh_shape=None, bf16=Fal
     finally:
         torch_functional.FusedLinearForPPO.forward = original_forward
     return result
+
+
+def lm_head_traffic(rank, world, patches):
+    """Bytes ``lm_head`` moves in one bf16 fused-forward step on verl >= 0.9 (see benchmarks/lm_head_gather.py)."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    import fsdp2_compat
+    from fsdp2_compat.examples import tiny_models
+
+    if patches:
+        fsdp2_compat.apply(patches)
+    from verl.models.transformers.monkey_patch import apply_monkey_patch
+    from verl.utils import fsdp_utils
+    from verl.utils.experimental import torch_functional
+
+    model = tiny_models.build("qwen3_vl", tie=False, seed=0)
+    lm_numel = model.lm_head.weight.numel()
+    apply_monkey_patch(model, use_remove_padding=False, use_fused_kernels=True, fused_kernels_backend="torch")
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    fsdp_utils.apply_fsdp2(model, {"mesh": mesh, "mp_policy": mp}, {})
+
+    counts = {"all_gather_bytes": 0, "reduce_scatter_bytes": 0, "kernel_weight_bytes": 0, "error": None}
+    originals = (dist.all_gather_single, dist.reduce_scatter_single, funcol.all_gather_single)
+
+    group = model.lm_head._get_fsdp_state()._fsdp_param_group
+    inside = [False]  # True while lm_head's own FSDP unit communicates
+
+    def flagged(method):
+        def run(*a, **k):
+            inside[0] = True
+            try:
+                return method(*a, **k)
+            finally:
+                inside[0] = False
+
+        return run
+
+    model.lm_head.unshard = flagged(model.lm_head.unshard)
+    group.post_backward = flagged(group.post_backward)
+
+    def fsdp_gather(output, input, *a, **k):
+        if inside[0]:
+            counts["all_gather_bytes"] += output.numel() * output.element_size()
+        return originals[0](output, input, *a, **k)
+
+    def fsdp_scatter(output, input, *a, **k):
+        if inside[0]:
+            counts["reduce_scatter_bytes"] += input.numel() * input.element_size()
+        return originals[1](output, input, *a, **k)
+
+    def dtensor_gather(tensor, gather_dim, group, *a, **k):
+        counts["all_gather_bytes"] += tensor.numel() * world * tensor.element_size()
+        return originals[2](tensor, gather_dim, group, *a, **k)
+
+    original_kernel = torch_functional.FusedLinearForPPO.forward
+
+    def kernel(self, hidden_states, vocab_weights, *a, **k):
+        counts["kernel_weight_bytes"] = max(counts["kernel_weight_bytes"], vocab_weights.numel() * vocab_weights.element_size())
+        counts["kernel_weight_dtype"] = str(vocab_weights.dtype)
+        return original_kernel(self, hidden_states, vocab_weights, *a, **k)
+
+    dist.all_gather_single, dist.reduce_scatter_single, funcol.all_gather_single = fsdp_gather, fsdp_scatter, dtensor_gather
+    torch_functional.FusedLinearForPPO.forward = kernel
+    try:
+        batch = tiny_models.make_batch("qwen3_vl", model, seed=1 + rank)
+        batch.pop("labels", None)
+        try:
+            out = model(**batch, return_dict=True)
+            _fused_loss(out, batch).backward()
+        except Exception as exc:
+            counts["error"] = "%s: %s" % (type(exc).__name__, str(exc).splitlines()[0])
+    finally:
+        dist.all_gather_single, dist.reduce_scatter_single, funcol.all_gather_single = originals
+        torch_functional.FusedLinearForPPO.forward = original_kernel
+    counts["lm_head_numel"] = lm_numel
+    return counts
