@@ -296,7 +296,7 @@ def test_patched_source_wraps_the_same_units_as_the_runtime_patch(oracle, framew
     assert source["mode"]["requested"] == [], "runtime patches were active in the patched-source run"
     assert all(f.startswith(oracle["tree"]) for f in source["mode"]["files"].values()), source["mode"]["files"]
     assert runtime["mode"]["requested"], "runtime patches were not requested"
-    assert set(source["units"]) == {"%s/%s" % (f, t) for f in families for t in ("untied", "tied")}
+    assert set(source["units"]) == {"%s/%s" % (f, t) for f in families for t in ps.TIE_VARIANTS}
     mismatches = {k: (v, runtime["units"][k]) for k, v in source["units"].items() if v != runtime["units"][k]}
     assert not mismatches, "patched source vs runtime patch:\n%s" % "\n".join(
         "%s:\n  source  %s\n  runtime %s" % (k, s, r) for k, (s, r) in sorted(mismatches.items())
@@ -307,9 +307,13 @@ def test_patched_source_wraps_the_same_units_as_the_runtime_patch(oracle, framew
             continue
         assert "<root>" in units, (key, units)
     assert sum(isinstance(u, list) for u in source["units"].values()) >= len(families), source["units"]
-    # The comparison can tell the fix from upstream: GLM-4V's vision position embedding.
+    # The comparison can tell the fix from upstream: GLM-4V's vision position
+    # embedding, and tied weights under a flag that says untied.
     if "glm4v" in families:
         assert runtime["unpatched"]["glm4v/untied"] != source["units"]["glm4v/untied"]
+    assert any(
+        runtime["unpatched"][k] != v for k, v in source["units"].items() if k.endswith("/tied-weights-only")
+    ), "tied-by-weights models: upstream and fix agree everywhere"
 
 
 @pytest.mark.skipif("verl" not in ORACLE_DISTS, reason="no pinned verl release installed here")

@@ -316,7 +316,8 @@ def wrap_units(rank, world, framework, families, tree=None, patches=None, unpatc
     (checked); ``patches``: runtime patches to apply first (``"all"`` for all);
     ``unpatched``: families whose plan is also recorded before the runtime
     patches are applied (to show the comparison can tell fix from upstream).
-    Returns ``{"units": {"family/untied": [...] or "error: ..."}, "unpatched": {...}, "mode": {...}}``.
+    Returns ``{"units": {"<family>/<tie variant>": [...] or "error: ..."}, "unpatched": {...},
+    "mode": {...}}`` (tie variants: ``TIE_VARIANTS``).
     """
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -330,16 +331,18 @@ def wrap_units(rank, world, framework, families, tree=None, patches=None, unpatc
     def plan(families):
         out = {}
         for family in families:
-            for tie in (False, True):
-                model = tiny_models.build(family, tie=tie)
+            for tie in TIE_VARIANTS:
+                model = tiny_models.build(family, tie=tie != "untied")
+                if tie == "tied-weights-only":
+                    # Tied weights under a top-level flag that says untied (how a
+                    # Qwen3-VL checkpoint loads in transformers 4.57).
+                    model.config.tie_word_embeddings = False
+                key = "%s/%s" % (family, tie)
                 try:
                     fsdp_utils.apply_fsdp2(model, {"mesh": mesh}, {})
-                    out["%s/%s" % (family, "tied" if tie else "untied")] = wrapped_module_names(model)
+                    out[key] = wrapped_module_names(model)
                 except Exception as exc:
-                    out["%s/%s" % (family, "tied" if tie else "untied")] = "error: %s: %s" % (
-                        type(exc).__name__,
-                        str(exc).splitlines()[0] if str(exc) else "",
-                    )
+                    out[key] = "error: %s: %s" % (type(exc).__name__, (str(exc).splitlines() or [""])[0])
         return out
 
     result = {"unpatched": plan(unpatched)}
@@ -348,6 +351,9 @@ def wrap_units(rank, world, framework, families, tree=None, patches=None, unpatc
     result["mode"] = _check_mode(tree, patches, [fsdp_utils])
     result["units"] = plan(families)
     return result
+
+
+TIE_VARIANTS = ("untied", "tied", "tied-weights-only")
 
 
 # verl model module -> module-level function its fused forwards call for the
