@@ -24,6 +24,13 @@ _LM_HEAD_DELETE = (
     "gradient (not plain full_tensor()) in every release you run"
 )
 
+
+
+def _selection_patch(name, summary, families):
+    """A family whose only problem is the wrap selection."""
+    return Patch(name, summary, families, WRAP_SELECTION, _SELECTION_REFS, _SELECTION_DELETE)
+
+
 PATCHES = (
     Patch(
         name="glm4v",
@@ -67,45 +74,32 @@ PATCHES = (
         references=_LM_HEAD_REFS,
         delete_when=_LM_HEAD_DELETE,
     ),
-    Patch(
-        name="lfm2vl",
-        summary="fully_shard TypeError / aten.mm mixed Tensor and DTensor (SigLIP2 position_embedding read raw)",
-        families=("LFM2-VL (SigLIP2 vision)",),
-        targets=WRAP_SELECTION,
-        references=_SELECTION_REFS,
-        delete_when=_SELECTION_DELETE,
+    _selection_patch(
+        "lfm2vl",
+        "fully_shard TypeError / aten.mm mixed Tensor and DTensor (SigLIP2 position_embedding read raw)",
+        ("LFM2-VL (SigLIP2 vision)",),
     ),
-    Patch(
-        name="qwen2audio",
-        summary="fully_shard TypeError / aten.add mixed Tensor and DTensor (audio embed_positions read raw)",
-        families=("Qwen2-Audio",),
-        targets=WRAP_SELECTION,
-        references=_SELECTION_REFS,
-        delete_when=_SELECTION_DELETE,
+    _selection_patch(
+        "qwen2audio",
+        "fully_shard overlapping-mesh error (nested layer classes) / aten.add mixed Tensor and DTensor "
+        "(audio embed_positions read raw)",
+        ("Qwen2-Audio",),
     ),
-    Patch(
-        name="voxtral",
-        summary="aten.add got mixed torch.Tensor and DTensor (audio embed_positions.weight read raw)",
-        families=("Voxtral",),
-        targets=WRAP_SELECTION,
-        references=_SELECTION_REFS,
-        delete_when=_SELECTION_DELETE,
+    _selection_patch(
+        "voxtral",
+        "aten.add got mixed torch.Tensor and DTensor (audio embed_positions read raw)",
+        ("Voxtral",),
     ),
-    Patch(
-        name="audioflamingo3",
-        summary="fully_shard TypeError / aten.add mixed Tensor and DTensor (audio embed_positions read raw)",
-        families=("AudioFlamingo3",),
-        targets=WRAP_SELECTION,
-        references=_SELECTION_REFS,
-        delete_when=_SELECTION_DELETE,
+    _selection_patch(
+        "audioflamingo3",
+        "fully_shard overlapping-mesh error (nested layer classes) / aten.add mixed Tensor and DTensor "
+        "(audio embed_positions read raw)",
+        ("AudioFlamingo3",),
     ),
-    Patch(
-        name="paddleocrvl",
-        summary="aten.add got mixed torch.Tensor and DTensor (vision position_embedding read raw)",
-        families=("PaddleOCR-VL",),
-        targets=WRAP_SELECTION,
-        references=_SELECTION_REFS,
-        delete_when=_SELECTION_DELETE,
+    _selection_patch(
+        "paddleocrvl",
+        "aten.add got mixed torch.Tensor and DTensor (vision position_embedding read raw)",
+        ("PaddleOCR-VL",),
     ),
 )
 

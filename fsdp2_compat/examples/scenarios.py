@@ -87,6 +87,17 @@ def _full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def _step(*optimizers):
+    for optimizer in optimizers:
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _param_err(model, reference):
+    """Worst parameter error after training, sharded parameters gathered."""
+    return max((_rel_err(_full(p), q) for p, q in zip(model.parameters(), reference.parameters())), default=0.0)
+
+
 def train(rank, world, framework, family, patches, steps=2, tie=False, lr=0.05):
     """One scenario on this rank; see the module docstring for the result.
 
@@ -147,12 +158,8 @@ def train(rank, world, framework, family, patches, steps=2, tie=False, lr=0.05):
             result["grads_checked"] += int(q.grad is not None)
             if err > result["grad_err"]:
                 result["grad_err"], result["worst_grad"] = err, name
-        optimizer.step()
-        ref_optimizer.step()
-        optimizer.zero_grad()
-        ref_optimizer.zero_grad()
-    for p, q in zip(model.parameters(), reference.parameters()):
-        result["param_err"] = max(result["param_err"], _rel_err(_full(p), q))
+        _step(optimizer, ref_optimizer)
+    result["param_err"] = _param_err(model, reference)
     return result
 
 
@@ -296,12 +303,8 @@ def train_fused(rank, world, family, patches, steps=2, mesh_shape=None, bf16=Fal
                     result["grad_err"], result["worst_grad"] = err, name
                 if q.grad is not None and float(q.grad.abs().max()) > 1e-3 * ref_scale:
                     result["grad_rel_to_max"] = max(result["grad_rel_to_max"], _rel_to_max(grad, q.grad))
-            optimizer.step()
-            ref_optimizer.step()
-            optimizer.zero_grad()
-            ref_optimizer.zero_grad()
-        for p, q in zip(model.parameters(), reference.parameters()):
-            result["param_err"] = max(result["param_err"], _rel_err(_full(p), q))
+            _step(optimizer, ref_optimizer)
+        result["param_err"] = _param_err(model, reference)
     finally:
         torch_functional.FusedLinearForPPO.forward = original_forward
     return result
