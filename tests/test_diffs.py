@@ -9,8 +9,9 @@
 - For the releases installed here, the upstream source *patched with the
   diffs* (first on ``PYTHONPATH``, no runtime patch in that process) behaves
   like the installed release with the runtime patches: the same FSDP2 units
-  on every tiny model family (untied and tied), and fused forwards that match
-  the unsharded data-parallel reference on 2 ranks with different data.
+  on every tiny model family (untied, tied, tied under an "untied" config
+  flag), and fused forwards that match the unsharded data-parallel reference
+  on 2 ranks with different data.
 """
 
 import json
