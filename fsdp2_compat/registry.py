@@ -37,7 +37,8 @@ PATCHES = (
         summary="aten.grid_sampler_2d got mixed torch.Tensor and DTensor (vision position_embedding read raw); "
         "verl fused forward reads a sharded lm_head.weight",
         families=("GLM-4.1V (Glm4v)", "GLM-4.5V (Glm4vMoe)", "GLM-4.6V (Glm46V)"),
-        targets=WRAP_SELECTION + verl.GLM4V_FUSED,
+        # verl serves GLM-4.5V / GLM-4.6V (glm4v_moe) through dense_common's fused forward.
+        targets=WRAP_SELECTION + verl.GLM4V_FUSED + verl.DENSE_FUSED,
         references=_SELECTION_REFS + _LM_HEAD_REFS,
         delete_when=_SELECTION_DELETE + "; and " + _LM_HEAD_DELETE,
     ),

@@ -30,9 +30,26 @@ def status(names=None):
             # Its module will never be imported from this release (e.g. renamed).
             row["outcome"] = "not for this release"
             row["detail"] = "required %s %s, found %s" % (dist, outcome.target.versions, versions[dist])
+        live = row["outcome"] in (engine.APPLIED, engine.WAITING) and row["found"] and guards.in_range(
+            row["found"], outcome.target.versions
+        )
+        row["diff"] = _existing_diff(engine.diff_path(outcome.target, row["found"])) if live else None
         rows.append(row)
     _mark_sibling_seams(rows)
     return rows
+
+
+def _existing_diff(path):
+    """The diff's repository path; None when a source checkout shows it does not exist
+    (diffs are written for the pinned releases only)."""
+    import os
+
+    if path is None:
+        return None
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if os.path.isdir(os.path.join(repo, "patches")) and not os.path.exists(os.path.join(repo, path)):
+        return None
+    return path
 
 
 def _mark_sibling_seams(rows):
@@ -45,11 +62,12 @@ def _mark_sibling_seams(rows):
                 continue
             if other["module"] == row["module"] and guards.in_range(row["found"], other["required"]):
                 row["outcome"] = "other seam"
+                row["diff"] = other["diff"]
                 row["detail"] = "%s %s uses the %s seam" % (row["dist"], row["found"], other["attr"])
                 break
 
 
-def format_table(rows, columns=("patch", "dist", "found", "required", "what", "outcome", "detail")):
+def format_table(rows, columns=("patch", "dist", "found", "required", "what", "outcome", "diff", "detail")):
     """Plain-text table, one line per row, columns sized to fit."""
     header = [c.upper() for c in columns]
     body = [[("" if r.get(c) is None else str(r.get(c))) for c in columns] for r in rows]

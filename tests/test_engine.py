@@ -261,3 +261,25 @@ def test_status_cli_reports_the_applied_patch_as_json(python):
     others = [r for k, r in verl_rows.items() if k != target.key and r["module"] == target.module]
     assert others
     assert all(r["outcome"] == "other seam" for r in others)
+
+
+def test_status_shows_glm4v_applied_for_every_installed_framework(python):
+    proc = python(
+        """
+        import json
+        import fsdp2_compat
+        from fsdp2_compat import guards
+        from fsdp2_compat.examples.scenarios import FSDP_UTILS, import_fsdp_utils
+        fsdp2_compat.apply("glm4v")
+        installed = [fw for fw in FSDP_UTILS if guards.installed_version(fw)]
+        for fw in installed:
+            import_fsdp_utils(fw)
+        print(json.dumps([installed, fsdp2_compat.status()]))
+        """
+    )
+    installed, rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    for dist in installed:
+        selection = [r for r in rows if r["dist"] == dist and "wrap selection" in r["what"]]
+        assert [r["outcome"] for r in selection].count(engine.APPLIED) == 1, selection
+        applied = [r for r in selection if r["outcome"] == engine.APPLIED][0]
+        assert applied["diff"] is None or applied["diff"].startswith("patches/%s/" % dist)

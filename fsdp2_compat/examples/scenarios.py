@@ -58,6 +58,11 @@ def _import_without_package_init(name, package):
     return importlib.import_module(name)
 
 
+def _first_line(exc):
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else repr(exc)
+
+
 def wrapped_module_names(model):
     from torch.distributed.fsdp import FSDPModule
 
@@ -136,7 +141,7 @@ def train(rank, world, framework, family, patches, steps=2, tie=False, lr=0.05):
     try:
         fsdp_utils.apply_fsdp2(model, {"mesh": mesh}, {})
     except Exception as exc:  # torch refuses some broken plans at wrap time
-        result["error"] = "apply_fsdp2: %s: %s" % (type(exc).__name__, str(exc).splitlines()[0])
+        result["error"] = "apply_fsdp2: %s: %s" % (type(exc).__name__, _first_line(exc))
         return result
     result["wrapped"] = wrapped_module_names(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
@@ -147,7 +152,7 @@ def train(rank, world, framework, family, patches, steps=2, tie=False, lr=0.05):
             loss = model(**batches[rank]).loss
             loss.backward()
         except Exception as exc:
-            result["error"] = "step %d: %s: %s" % (step, type(exc).__name__, str(exc).splitlines()[0])
+            result["error"] = "step %d: %s: %s" % (step, type(exc).__name__, _first_line(exc))
             return result
         ref_losses = [reference(**b).loss for b in batches]
         (sum(ref_losses) / world).backward()
@@ -189,7 +194,7 @@ def wrap_plans(rank, world, framework, families, patches):
                 fsdp_utils.apply_fsdp2(model, {"mesh": mesh}, {})
                 plan[label] = wrapped_module_names(model)
             except Exception as exc:
-                plan[label] = "error: %s: %s" % (type(exc).__name__, str(exc).splitlines()[0])
+                plan[label] = "error: %s: %s" % (type(exc).__name__, _first_line(exc))
             finally:
                 fsdp2_compat.revert()
         model = tiny_models.build(family)
@@ -285,7 +290,7 @@ def train_fused(rank, world, family, patches, steps=2, mesh_shape=None, bf16=Fal
                 loss = _fused_loss(out, batches[rank])
                 loss.backward()
             except Exception as exc:
-                result["error"] = "step %d: %s: %s" % (step, type(exc).__name__, str(exc).splitlines()[0])
+                result["error"] = "step %d: %s: %s" % (step, type(exc).__name__, _first_line(exc))
                 return result
             ref_outs = [reference(**b, return_dict=True) for b in batches]
             ref_losses = [_fused_loss(o, b) for o, b in zip(ref_outs, batches)]
@@ -383,7 +388,7 @@ def lm_head_traffic(rank, world, patches):
             out = model(**batch, return_dict=True)
             _fused_loss(out, batch).backward()
         except Exception as exc:
-            counts["error"] = "%s: %s" % (type(exc).__name__, str(exc).splitlines()[0])
+            counts["error"] = "%s: %s" % (type(exc).__name__, _first_line(exc))
     finally:
         dist.all_gather_single, dist.reduce_scatter_single, funcol.all_gather_single = originals
         torch_functional.FusedLinearForPPO.forward = original_kernel

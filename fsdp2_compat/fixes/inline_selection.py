@@ -25,10 +25,10 @@ _plan = contextvars.ContextVar("fsdp2_compat_inline_plan", default=None)
 
 
 class _Plan:
-    __slots__ = ("model", "embedding", "embedding_done", "parents", "wrapped")
+    __slots__ = ("model", "embedding", "embedding_done", "parents", "wrapped", "layer_classes")
 
     def __init__(self, model):
-        from .selection import embeddings_tied, input_embedding
+        from .selection import embeddings_tied, input_embedding, layer_class_names
 
         self.model = model
         self.embedding = None if embeddings_tied(model) else input_embedding(model)
@@ -38,6 +38,10 @@ class _Plan:
             for child in parent.children():
                 self.parents.setdefault(id(child), parent)
         self.wrapped = set()  # ids of modules given a group during this call
+        # An embedding class named as a layer class is upstream's choice, not
+        # the embedding rule: keep it (config overrides of the list are not
+        # visible here; the model's default list is).
+        self.layer_classes = layer_class_names(getattr(model, "_no_split_modules", None))
 
     def inside_wrapped(self, module):
         """True when an ancestor already got its own group in this call."""
@@ -83,7 +87,7 @@ def wrap_fully_shard(original):
             return module  # nested layer class: its ancestor's group already holds it
         if module is plan.embedding:
             plan.embedding_done = True
-        elif isinstance(module, nn.Embedding):
+        elif isinstance(module, nn.Embedding) and type(module).__name__ not in plan.layer_classes:
             return module  # auxiliary (or tied) embedding: stays in the root group
         plan.wrapped.add(id(module))
         return wrapped(*args, **kwargs)
