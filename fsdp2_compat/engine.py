@@ -222,6 +222,7 @@ def _settle(state, module):
     from . import guards
 
     target = state.target
+    found = None
     try:
         found = guards.installed_version(target.dist)
         if found is None:
@@ -251,7 +252,7 @@ def _settle(state, module):
     except guards.Drift as exc:
         return Outcome(target, DRIFTED, found, str(exc))
     except Exception as exc:  # a broken patch must not break the user's import
-        return Outcome(target, FAILED, locals().get("found"), "%s: %s" % (type(exc).__name__, exc))
+        return Outcome(target, FAILED, found, "%s: %s" % (type(exc).__name__, exc))
     state.applied = applied
     rebound = sorted({name for _, _, changed in applied.aliases for _, name, _ in changed})
     detail = "replaced %s.%s" % (target.module, ", ".join(a for a, _, _ in applied.swaps))
