@@ -300,8 +300,6 @@ def _undo(applied):
     from . import aliases
 
     kept = []
-    for old, new, changed in reversed(applied.aliases):
-        kept += aliases.restore(changed, old, new)
     namespace = applied.module.__dict__
     for attr, old, new in reversed(applied.swaps):
         if namespace.get(attr) is new:
@@ -309,6 +307,11 @@ def _undo(applied):
         else:
             kept.append("%s.%s" % (applied.module.__name__, attr))
         _replacements.pop(id(new), None)
+    for old, new, changed in reversed(applied.aliases):
+        kept += aliases.restore(changed, old, new)
+        # Modules imported while the patch was on copied the replacement
+        # (``from fsdp_utils import apply_fsdp2``): give them the original too.
+        aliases.rebind(new, old)
     applied.aliases.clear()
     applied.swaps.clear()
     return kept

@@ -112,11 +112,30 @@ def test_revert_restores_originals_and_aliases_by_identity():
         assert caller.selected is fu.__dict__[target.attr] is not original
         [outcome] = [o for n, o in engine.outcomes(["glm4v"]) if o.target is target]
         assert "fsdp2_compat_test_caller" in outcome.detail
-        fsdp2_compat.revert()
+        [outcome] = [o for o in fsdp2_compat.revert() if o.target is target]
+        assert outcome.kind == engine.REVERTED and outcome.detail == ""  # nothing left behind
         assert caller.selected is original
         assert fu.__dict__[target.attr] is original
     finally:
         del sys.modules[caller.__name__]
+
+
+def test_revert_also_restores_copies_made_while_patched():
+    import types
+
+    import verl.utils.fsdp_utils as fu
+
+    target = verl_selection_target()
+    original = fu.__dict__[target.attr]
+    fsdp2_compat.apply("glm4v")
+    late = types.ModuleType("fsdp2_compat_test_late_caller")
+    late.selected = fu.__dict__[target.attr]  # imported by name after the patch
+    sys.modules[late.__name__] = late
+    try:
+        fsdp2_compat.revert()
+        assert late.selected is original
+    finally:
+        del sys.modules[late.__name__]
 
 
 def test_patched_context_manager_reverts_on_exit():
