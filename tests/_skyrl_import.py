@@ -69,29 +69,9 @@ def import_skyrl_module(name: str) -> types.ModuleType:
 
 
 def _ensure_skyrl_backends_package() -> None:
-    if "skyrl.backends" in sys.modules:
-        return
-    try:
-        importlib.import_module("skyrl.backends")
-        return
-    except Exception as exc:  # pydantic.errors.PydanticUserError
-        if getattr(exc, "code", None) != "typed-dict-version":
-            raise
-    # Drop what the failed import left half-initialised below skyrl.tinker.
-    for mod in [m for m in sys.modules if m == "skyrl.tinker.types" or m.startswith("skyrl.backends")]:
-        del sys.modules[mod]
-    import skyrl
+    from fsdp2_compat.examples.scenarios import ensure_skyrl_backends_package
 
-    path = os.path.join(os.path.dirname(skyrl.__file__), "backends")
-    pkg = types.ModuleType("skyrl.backends", "skyrl.backends, __init__ skipped (tests/_skyrl_import.py)")
-    pkg.__path__ = [path]
-    pkg.__package__ = "skyrl.backends"
-    pkg.__file__ = os.path.join(path, "__init__.py")
-    spec = importlib.machinery.ModuleSpec("skyrl.backends", None, is_package=True)
-    spec.submodule_search_locations = [path]
-    pkg.__spec__ = spec
-    sys.modules["skyrl.backends"] = pkg
-    skyrl.backends = pkg
+    ensure_skyrl_backends_package()
 
 
 def _ensure_skyrl_train_mixed_precision_policy() -> None:

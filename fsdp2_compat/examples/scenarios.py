@@ -14,6 +14,7 @@ parameters against the reference.
 """
 
 import importlib
+import importlib.machinery
 import sys
 
 FSDP_UTILS = {
@@ -33,29 +34,39 @@ def import_fsdp_utils(framework):
     the module under test is still the released file, executed unchanged.
     """
     name = FSDP_UTILS[framework]
-    try:
-        return importlib.import_module(name)
-    except Exception:
-        if framework != "skyrl" or sys.version_info >= (3, 12):
-            raise
-    return _import_without_package_init(name, "skyrl.backends")
+    if framework == "skyrl":
+        ensure_skyrl_backends_package()
+    return importlib.import_module(name)
 
 
-def _import_without_package_init(name, package):
-    import importlib.util
+def ensure_skyrl_backends_package():
+    """Make ``skyrl.backends`` importable on Python < 3.12 (see ``import_fsdp_utils``)."""
+    import os
     import types
 
-    for key in [k for k in sys.modules if k == package or k.startswith(package + ".")]:
-        del sys.modules[key]
-    parent = importlib.import_module(package.rpartition(".")[0])
-    spec = importlib.util.find_spec(package)
-    stub = types.ModuleType(package)
-    stub.__path__ = list(spec.submodule_search_locations)
-    stub.__spec__ = spec
-    stub.__file__ = spec.origin
-    sys.modules[package] = stub
-    setattr(parent, package.rpartition(".")[2], stub)
-    return importlib.import_module(name)
+    if "skyrl.backends" in sys.modules:
+        return
+    try:
+        importlib.import_module("skyrl.backends")
+        return
+    except Exception as exc:  # pydantic.errors.PydanticUserError
+        if getattr(exc, "code", None) != "typed-dict-version":
+            raise
+    # Drop what the failed import left half-initialised.
+    for mod in [m for m in sys.modules if m == "skyrl.tinker.types" or m.startswith("skyrl.backends")]:
+        del sys.modules[mod]
+    import skyrl
+
+    path = os.path.join(os.path.dirname(skyrl.__file__), "backends")
+    pkg = types.ModuleType("skyrl.backends", "skyrl.backends, __init__ skipped (Python < 3.12)")
+    pkg.__path__ = [path]
+    pkg.__package__ = "skyrl.backends"
+    pkg.__file__ = os.path.join(path, "__init__.py")
+    spec = importlib.machinery.ModuleSpec("skyrl.backends", None, is_package=True)
+    spec.submodule_search_locations = [path]
+    pkg.__spec__ = spec
+    sys.modules["skyrl.backends"] = pkg
+    skyrl.backends = pkg
 
 
 def _first_line(exc):
