@@ -287,7 +287,6 @@ def plan_problems(model, units):
     """Problems of the plan itself, not read hazards: a unit nested in one that is sharded
     before it, and tied weights split across units."""
     problems = []
-    unit_set = set(units)
     position = {u: i for i, u in enumerate(units)}
     for u in units:
         parent = u.rpartition(".")[0]

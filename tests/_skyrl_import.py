@@ -48,7 +48,6 @@ import contextlib
 import importlib
 import importlib.machinery
 import importlib.util
-import os
 import sys
 import types
 

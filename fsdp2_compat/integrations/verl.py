@@ -55,13 +55,10 @@ def select_verl(model, layer_classes):
     """
     from ..fixes.selection import embeddings_tied, select_wrap_targets
 
-    by_name = None
-    if not embeddings_tied(model):
+    def by_name(name, module):
+        return name.rsplit(".", 1)[-1] in _VERL_NAMED and hasattr(module, "weight")
 
-        def by_name(name, module):
-            return name.rsplit(".", 1)[-1] in _VERL_NAMED and hasattr(module, "weight")
-
-    return select_wrap_targets(model, layer_classes, extra=by_name)
+    return select_wrap_targets(model, layer_classes, extra=None if embeddings_tied(model) else by_name)
 
 
 def selection_seam(module, attr):
