@@ -302,3 +302,21 @@ def test_status_shows_glm4v_applied_for_every_installed_framework(python):
         assert [r["outcome"] for r in selection].count(engine.APPLIED) == 1, selection
         applied = [r for r in selection if r["outcome"] == engine.APPLIED][0]
         assert applied["diff"] is None or applied["diff"].startswith("patches/%s/" % dist)
+
+
+@pytest.mark.skipif(VERL is None or not guards.in_range(VERL, ">=0.6.0"), reason="verl < 0.6.0 has no Qwen3-VL forward")
+def test_status_shows_qwen3vl_applied_on_the_installed_verl(python):
+    proc = python(
+        """
+        import json
+        import fsdp2_compat
+        fsdp2_compat.apply("qwen3vl")
+        import verl.models.transformers.qwen3_vl
+        print(json.dumps(fsdp2_compat.status()))
+        """
+    )
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert {r["attr"]: r["outcome"] for r in rows} == {
+        "forward_with_torch_backend": engine.APPLIED,
+        "forward_with_triton_backend": engine.APPLIED,
+    }

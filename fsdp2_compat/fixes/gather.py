@@ -31,6 +31,13 @@ on exit instead.
 Refused, with ``GatherError``: a sharded parameter whose module is not an
 FSDP2 unit, one that unit does not manage, and one that is still a DTensor
 after unsharding (FSDP + tensor parallel: its full value is not ours to build).
+
+Upstream: verl issue #4756, PR #6659.
+Fails safe: the forward wrappers are installed only on fingerprinted releases
+of verl's fused forwards; where ``lm_head`` is not sharded (its weight is a
+plain tensor: no FSDP, or ``lm_head`` in the root unit) they change nothing.
+Delete when: verl's fused forwards read ``lm_head.weight`` through FSDP (or
+with an averaged gradient) in every release you run.
 """
 
 import contextlib

@@ -17,6 +17,14 @@ function to swap for the selection alone, so the narrowest seam is the
   arguments, inside upstream's own code (``maybe_patch_fsdp_module`` etc.).
 
 Outside an ``apply_fsdp2`` call the ``fully_shard`` wrapper is a pass-through.
+
+Upstream: SkyRL issue #2087 / PR #2088 (the same selection rule for SkyRL).
+Fails safe: installed only when ``apply_fsdp2``'s source fingerprint is one of
+the released versions this seam was verified on and ``fully_shard`` is a
+module global; both swaps and every alias change together or not at all, and
+revert restores the original objects by identity.
+Delete when: the release's ``apply_fsdp2`` selects only layer classes and the
+untied input embedding (the fingerprint then changes and the seam skips itself).
 """
 
 import contextvars

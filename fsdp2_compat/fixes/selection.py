@@ -17,6 +17,13 @@ unsharded for the whole root forward, so raw reads are safe.
 Tying is decided by parameter identity, never by config flags (transformers
 versions disagree on which flag counts; see UPSTREAM.md "Tied embeddings").
 
+Fails safe: this module only computes a list; the seams that install it
+(``integrations``) are gated on the release range and the fingerprint of the
+upstream function they replace, and are skipped with a reason otherwise.
+
+Delete when: every verl / SkyRL release you run selects its FSDP2 units this
+way (SkyRL PR #2088 merged and released; verl has no fix yet).
+
 torch is imported lazily; nothing here runs at import.
 """
 

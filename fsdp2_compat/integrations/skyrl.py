@@ -6,7 +6,10 @@ Two distributions ship the same code under different module paths:
 ``fsdp_strategy`` imports ``apply_fsdp2`` by name; the engine rebinds it.
 
 The fix upstream is SkyRL PR #2088 (issue #2087), not in any release yet.
-When it ships, add its releases as ``fixed_in``.
+When it ships, add its releases as ``fixed_in`` (status then says "not
+needed"), and delete these targets once no supported release lacks it.
+Fails safe: out-of-range releases and unknown fingerprints are skipped with
+the reason, nothing touched.
 """
 
 from ..records import Target

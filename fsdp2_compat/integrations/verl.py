@@ -13,6 +13,11 @@ rebinds those aliases.
 
 To support a new release: widen ``versions`` and, if the function changed,
 add ``"<release>": "<fingerprint>"`` (``fsdp2-compat fingerprint FILE NAME``).
+
+Upstream: SkyRL issue #2087 / PR #2088 (the selection rule), verl issue #4756 /
+PR #6659 (lm_head reads).  Fails safe: a release outside ``versions`` or code
+whose fingerprint is not listed is skipped with the reason and left untouched.
+Delete a target when ``fixed_in`` would cover every release you run.
 """
 
 from ..records import Target
