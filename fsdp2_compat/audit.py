@@ -503,11 +503,13 @@ class _Coverage:
         if fwd is None:
             return None, None
         mod, attr = getattr(fwd, "__module__", None), getattr(fwd, "__name__", None)
-        for p in registry.PATCHES:
-            for t in p.targets:
-                if t.module == mod and t.attr == attr:
-                    return p.name, t
-        return None, None
+        found = [(p, t) for p in registry.PATCHES for t in p.targets if t.module == mod and t.attr == attr]
+        if not found:
+            return None, None
+        # Several patches may carry the target (glm4v also covers dense_common
+        # for GLM-4.5V); name the most specific one.
+        p, t = min(found, key=lambda pt: len(pt[0].targets))
+        return p.name, t
 
     def _fixed(self):
         if self._fixed_owners is None:
