@@ -479,30 +479,15 @@ def make_batch(family: str, model, *, seed: int, batch_size: int = 2) -> dict:
         ids = torch.stack([_text_ids(gen, 12) for _ in range(batch_size)])
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
 
-    if family in ("glm4v", "glm4v_moe", "glm46v", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"):
-        vcfg = cfg.vision_config
-        patch_dim = vcfg.in_channels * vcfg.temporal_patch_size * vcfg.patch_size**2
-        n_patches = _GRID * _GRID
-        pixel_values = torch.randn(batch_size * n_patches, patch_dim, generator=gen)
-        grid = torch.tensor([[1, _GRID, _GRID]] * batch_size, dtype=torch.long)
-        span = [_VSTART] + [_IMG] * _IMAGE_TOKENS + [_VEND]
-        input_ids, attn, labels = _with_placeholders(gen, batch_size, 5, span, 6)
-        batch = {
-            "input_ids": input_ids,
-            "attention_mask": attn,
-            "pixel_values": pixel_values,
-            "image_grid_thw": grid,
-            "labels": labels,
-        }
-        _add_mm_token_type_ids(model, batch)
-        return batch
-
-    if family == "paddleocr_vl":
+    if family in ("glm4v", "glm4v_moe", "glm46v", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "paddleocr_vl"):
+        # Patchified pixels plus a (t, h, w) grid per image; only the patch layout differs.
         vcfg = cfg.vision_config
         n_patches = _GRID * _GRID
-        pixel_values = torch.randn(
-            batch_size * n_patches, vcfg.num_channels, vcfg.patch_size, vcfg.patch_size, generator=gen
-        )
+        if family == "paddleocr_vl":
+            patch_shape = (vcfg.num_channels, vcfg.patch_size, vcfg.patch_size)
+        else:
+            patch_shape = (vcfg.in_channels * vcfg.temporal_patch_size * vcfg.patch_size**2,)
+        pixel_values = torch.randn(batch_size * n_patches, *patch_shape, generator=gen)
         grid = torch.tensor([[1, _GRID, _GRID]] * batch_size, dtype=torch.long)
         span = [_VSTART] + [_IMG] * _IMAGE_TOKENS + [_VEND]
         input_ids, attn, labels = _with_placeholders(gen, batch_size, 5, span, 6)
