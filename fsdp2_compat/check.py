@@ -123,7 +123,12 @@ def run_checks(families=None, frameworks=None, progress=None):
         for family, patch in FUSED_CASES.items():
             if (families is None or family in families) and tiny_models.available(family) is True:
                 cases.append(("verl", verl, family, patch, "fused forward"))
+    import warnings
+
+    saved_filters = warnings.filters[:]
     try:
+        warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
+        warnings.filterwarnings("ignore", message="Converting a tensor with requires_grad=True to a scalar.*")
         for i, (framework, version, family, patch, kind) in enumerate(cases):
             if progress:
                 progress("[%d/%d] %s %s: %s (%s)" % (i + 1, len(cases), framework, version, family, kind))
@@ -135,6 +140,7 @@ def run_checks(families=None, frameworks=None, progress=None):
                 patched = _run(scenarios.train_fused, family, patch, steps=1)
             rows.append(_row(framework, version, family, patch, kind, unpatched, patched))
     finally:
+        warnings.filters[:] = saved_filters
         if owns_group:
             dist.destroy_process_group()
     return rows
@@ -173,4 +179,7 @@ def main(args):
             skipped = sum(r["fixed"] is None for r in rows)
             print("%d cases, %d not fixed, %d frameworks not importable, %.1f s" % (
                 len(rows) - skipped, len(failed), skipped, time.time() - start))
+            if any(r["kind"] == "fused forward" for r in rows):
+                print("note: one rank cannot show verl 0.9.x's unaveraged lm_head gradient (it needs 2+ ranks "
+                      "with different data); tests/test_fused_forwards.py proves that part.")
     return 1 if failed else 0
