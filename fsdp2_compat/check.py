@@ -59,7 +59,9 @@ def _run(fn, *args, **kwargs):
         with contextlib.redirect_stdout(sys.stderr):
             return fn(0, 1, *args, **kwargs)
     except Exception as exc:  # the scenario itself broke: report, do not die
-        return {"error": "%s: %s" % (type(exc).__name__, str(exc).splitlines()[0] if str(exc) else ""), "loss_err": None}
+        from .examples.scenarios import _first_line
+
+        return {"error": "%s: %s" % (type(exc).__name__, _first_line(exc)), "loss_err": None}
     finally:
         fsdp2_compat.revert()
 

@@ -368,24 +368,6 @@ FUSED_MODULES = {
 }
 
 
-def _rel_err(actual, expected):
-    if actual is None or expected is None:
-        return 0.0 if actual is None and expected is None else float("inf")
-    actual, expected = actual.detach().float(), expected.detach().float()
-    return float(((actual - expected).abs() / (1 + expected.abs())).max()) if actual.numel() else 0.0
-
-
-def _full(t):
-    from torch.distributed.tensor import DTensor
-
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def _fused_loss(out, mask):
-    mask = mask.to(out.log_probs.dtype)
-    return -(out.log_probs * mask).sum() / mask.sum() - 0.01 * (out.entropy * mask).sum() / mask.sum()
-
-
 def _text_batch(seed, batch_size=2, length=12):
     import torch
 
@@ -412,7 +394,15 @@ def _train_bound_forward(rank, world, model_module, steps=2, lr=0.05):
     from torch.distributed.device_mesh import init_device_mesh
 
     from fsdp2_compat.examples import tiny_models
-    from fsdp2_compat.examples.scenarios import wrapped_module_names
+    from fsdp2_compat.examples.scenarios import (
+        _first_line,
+        _full,
+        _fused_loss,
+        _param_err,
+        _rel_err,
+        _step,
+        wrapped_module_names,
+    )
     from verl.utils import fsdp_utils
 
     module = importlib.import_module("verl.models.transformers." + model_module)
@@ -441,12 +431,12 @@ def _train_bound_forward(rank, world, model_module, steps=2, lr=0.05):
         batches = [_text_batch(seed=1 + step * world + r) for r in range(world)]
         try:
             out = model(**batches[rank], return_dict=True)
-            loss = _fused_loss(out, batches[rank]["attention_mask"])
+            loss = _fused_loss(out, batches[rank])
             loss.backward()
         except Exception as exc:
-            result["error"] = "step %d: %s: %s" % (step, type(exc).__name__, str(exc).splitlines()[0])
+            result["error"] = "step %d: %s: %s" % (step, type(exc).__name__, _first_line(exc))
             return result
-        ref_losses = [_fused_loss(reference(**b, return_dict=True), b["attention_mask"]) for b in batches]
+        ref_losses = [_fused_loss(reference(**b, return_dict=True), b) for b in batches]
         (sum(ref_losses) / world).backward()
         result["losses"].append(loss.item())
         result["loss_err"] = max(result["loss_err"], _rel_err(loss, ref_losses[rank]))
@@ -456,12 +446,8 @@ def _train_bound_forward(rank, world, model_module, steps=2, lr=0.05):
                 result["lm_head_grad_err"] = max(result["lm_head_grad_err"], err)
             if err > result["grad_err"]:
                 result["grad_err"], result["worst_grad"] = err, name
-        optimizer.step()
-        ref_optimizer.step()
-        optimizer.zero_grad()
-        ref_optimizer.zero_grad()
-    for p, q in zip(model.parameters(), reference.parameters()):
-        result["param_err"] = max(result["param_err"], _rel_err(_full(p), q))
+        _step(optimizer, ref_optimizer)
+    result["param_err"] = _param_err(model, reference)
     # Gradient accumulation: no reduce-scatter on the first micro-batch (as verl
     # does with several micro-batches per step), then one for both.
     micro = [[_text_batch(seed=50 + 10 * r + k) for k in range(2)] for r in range(world)]
@@ -469,14 +455,14 @@ def _train_bound_forward(rank, world, model_module, steps=2, lr=0.05):
         for k in range(2):
             model.set_requires_gradient_sync(k == 1)
             batch = micro[rank][k]
-            (_fused_loss(model(**batch, return_dict=True), batch["attention_mask"]) / 2).backward()
-        total = sum(_fused_loss(reference(**b, return_dict=True), b["attention_mask"]) for m in micro for b in m)
+            (_fused_loss(model(**batch, return_dict=True), batch) / 2).backward()
+        total = sum(_fused_loss(reference(**b, return_dict=True), b) for m in micro for b in m)
         (total / (2 * world)).backward()
         result["accum_grad_err"] = max(
             _rel_err(_full(p.grad), q.grad) for p, q in zip(model.parameters(), reference.parameters())
         )
     except Exception as exc:
-        result["accum_error"] = "%s: %s" % (type(exc).__name__, str(exc).splitlines()[0])
+        result["accum_error"] = "%s: %s" % (type(exc).__name__, _first_line(exc))
     optimizer.zero_grad()
     ref_optimizer.zero_grad()
     # Log-probs without autograd (rollout): must work and leave lm_head resharded.
@@ -489,7 +475,7 @@ def _train_bound_forward(rank, world, model_module, steps=2, lr=0.05):
                 model.lm_head, "reshard"
             )
         except Exception as exc:
-            result["no_grad_error"] = "%s: %s" % (type(exc).__name__, str(exc).splitlines()[0])
+            result["no_grad_error"] = "%s: %s" % (type(exc).__name__, _first_line(exc))
     return result
 
 
