@@ -14,6 +14,7 @@ One rank cannot show the gradient-averaging bug (it needs different data on
 two ranks): the test-suite proves that part (tests/test_fused_forwards.py).
 """
 
+import functools
 import json
 import sys
 import time
@@ -36,6 +37,7 @@ FRAMEWORKS = ("verl", "skyrl", "skyrl-train")
 TOL = 1e-5
 
 
+@functools.lru_cache(maxsize=None)
 def _wrappable(family):
     """Available here, and with layer classes upstream can use (verl and SkyRL
     assert on an empty ``_no_split_modules``, e.g. LFM2-VL on transformers 4.57)."""

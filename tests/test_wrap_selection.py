@@ -9,6 +9,7 @@ For every framework release installed in this pinned set:
 - the set of FSDP units differs from upstream's only by auxiliary embeddings.
 """
 
+import functools
 import re
 
 import pytest
@@ -43,6 +44,7 @@ RAW_READ_FAMILIES = {
 TOL = 1e-5
 
 
+@functools.lru_cache(maxsize=None)
 def usable(family):
     """True, or why upstream cannot shard this family with the installed transformers."""
     reason = tiny_models.available(family)

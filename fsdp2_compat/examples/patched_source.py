@@ -323,7 +323,7 @@ def wrap_units(rank, world, framework, families, tree=None, patches=None, unpatc
 
     import fsdp2_compat
     from fsdp2_compat.examples import tiny_models
-    from fsdp2_compat.examples.scenarios import import_fsdp_utils, wrapped_module_names
+    from fsdp2_compat.examples.scenarios import _first_line, import_fsdp_utils, wrapped_module_names
 
     fsdp_utils = import_fsdp_utils(framework)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
@@ -332,17 +332,13 @@ def wrap_units(rank, world, framework, families, tree=None, patches=None, unpatc
         out = {}
         for family in families:
             for tie in TIE_VARIANTS:
-                model = tiny_models.build(family, tie=tie != "untied")
-                if tie == "tied-weights-only":
-                    # Tied weights under a top-level flag that says untied (how a
-                    # Qwen3-VL checkpoint loads in transformers 4.57).
-                    model.config.tie_word_embeddings = False
+                model = tiny_models.build(family, tie=_TIE_ARG[tie])
                 key = "%s/%s" % (family, tie)
                 try:
                     fsdp_utils.apply_fsdp2(model, {"mesh": mesh}, {})
                     out[key] = wrapped_module_names(model)
                 except Exception as exc:
-                    out[key] = "error: %s: %s" % (type(exc).__name__, (str(exc).splitlines() or [""])[0])
+                    out[key] = "error: %s: %s" % (type(exc).__name__, _first_line(exc))
         return out
 
     result = {"unpatched": plan(unpatched)}
@@ -353,7 +349,9 @@ def wrap_units(rank, world, framework, families, tree=None, patches=None, unpatc
     return result
 
 
-TIE_VARIANTS = ("untied", "tied", "tied-weights-only")
+# variant label -> tiny_models.build(tie=...)
+_TIE_ARG = {"untied": False, "tied": True, "tied-weights-only": "weights-only"}
+TIE_VARIANTS = tuple(_TIE_ARG)
 
 
 # verl model module -> module-level function its fused forwards call for the

@@ -117,10 +117,7 @@ def _param_err(model, reference):
 def train(rank, world, framework, family, patches, steps=2, tie=False, lr=0.05):
     """One scenario on this rank; see the module docstring for the result.
 
-    ``tie``: False (untied), True (tied, flags agree) or ``"weights-only"``:
-    tied weights under a top-level ``tie_word_embeddings=False``, as a
-    Qwen3-VL checkpoint loads in transformers 4.57 (the flag lives in
-    ``text_config``), which is what the frameworks read.
+    ``tie``: as for ``tiny_models.build`` (False, True or ``"weights-only"``).
     """
     import copy
 
@@ -134,9 +131,7 @@ def train(rank, world, framework, family, patches, steps=2, tie=False, lr=0.05):
         fsdp2_compat.apply(patches)
     fsdp_utils = import_fsdp_utils(framework)
 
-    model = tiny_models.build(family, tie=bool(tie), seed=0)
-    if tie == "weights-only":
-        model.config.tie_word_embeddings = False
+    model = tiny_models.build(family, tie=tie, seed=0)
     reference = copy.deepcopy(model)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))  # named, as verl and SkyRL do
     result = {

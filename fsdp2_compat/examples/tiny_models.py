@@ -408,13 +408,20 @@ def _quiet(fn, *args):
         hf_logging.set_verbosity(old)
 
 
-def build(family: str, *, tie: bool = False, seed: int = 0):
-    """Tiny fp32 CPU model of ``family`` in train mode, weights from ``seed``."""
+def build(family: str, *, tie: bool | str = False, seed: int = 0):
+    """Tiny fp32 CPU model of ``family`` in train mode, weights from ``seed``.
+
+    ``tie``: False (untied), True (tied, flags agree), or ``"weights-only"``:
+    tied weights under a top-level ``tie_word_embeddings=False``, as a Qwen3-VL
+    checkpoint loads in transformers 4.57 (the flag that ties lives in
+    ``text_config``); the frameworks read the top-level flag.
+    """
     _require(family)
     import torch
     import transformers as T
 
-    config = _quiet(_tiny_config, family, tie)
+    tied = bool(tie)
+    config = _quiet(_tiny_config, family, tied)
     model_cls = getattr(T, _CLASSES[family][0])
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -423,12 +430,14 @@ def build(family: str, *, tie: bool = False, seed: int = 0):
     model.train()
     inp = model.get_input_embeddings().weight
     out = model.get_output_embeddings().weight
-    if (inp is out) != tie:
+    if (inp is out) != tied:
         raise AssertionError(
             f"{family}: tie={tie} requested but get_input_embeddings().weight is "
             f"get_output_embeddings().weight == {inp is out} "
             f"(transformers {T.__version__})"
         )
+    if tie == "weights-only":
+        model.config.tie_word_embeddings = False
     return model
 
 
