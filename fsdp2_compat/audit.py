@@ -25,6 +25,7 @@ meets a plain tensor with more than one element is where FSDP2 would raise
 Importing this module imports neither torch, transformers nor verl.
 """
 
+import contextlib
 import json
 import sys
 
@@ -850,7 +851,6 @@ def apply_fused(model):
 
     if guards.installed_version("verl") is None:
         raise AuditInputError("--fused needs verl installed (it runs verl's own fused-kernel forward)")
-    import contextlib
     import io
 
     from verl.models.transformers.monkey_patch import apply_monkey_patch
@@ -859,7 +859,7 @@ def apply_fused(model):
         apply_monkey_patch(model, use_remove_padding=False, use_fused_kernels=True, fused_kernels_backend="torch")
 
 
-def _add_verl_position_ids(model, batch):
+def add_verl_position_ids(model, batch):
     """verl's Qwen2-VL / GLM4V fused forwards require (4, batch, seq) position ids: text
     positions stacked on the 3D rope index, as verl's dataset builds them."""
     import inspect
@@ -896,15 +896,23 @@ def report(model, batch, plan, label, fused=False, layer_classes=None, notes=())
     if fused:
         batch = {k: v for k, v in batch.items() if k != "labels"}
         batch["return_dict"] = True
-        _add_verl_position_ids(model, batch)
+        add_verl_position_ids(model, batch)
+    adapt = contextlib.nullcontext()
+    notes = list(notes)
+    if fused and getattr(type(model).__dict__.get("forward"), "__module__", "") == "verl.models.transformers.glm4v":
+        from .examples import glm4v_bridge
+
+        adapt = glm4v_bridge.bridge()
+        notes.append("verl's GLM4V forward does not run on stock transformers (an upstream verl bug, not FSDP2): "
+                     "audited with transformers adapted by fsdp2_compat.examples.glm4v_bridge")
     try:
-        hazards = audit(model, batch, units, plan=plan_name)
+        with adapt:
+            hazards = audit(model, batch, units, plan=plan_name)
     except AuditInputError:
         raise
     except Exception as exc:  # noqa: BLE001
         raise AuditInputError("the tiny forward of %s failed (%s: %s)" % (label, type(exc).__name__,
                                                                            str(exc).splitlines()[0] if str(exc) else ""))
-    notes = list(notes)
     if plan == "verl" and not layer_classes_of(model) and layer_classes is None:
         notes.append("model._no_split_modules is empty: verl's apply_fsdp2 asserts a non-empty layer class list "
                      "(set wrap_policy.transformer_layer_cls_to_wrap, or --layer-classes here)")

@@ -122,7 +122,7 @@ def test_controls_have_no_hazard_under_every_plan(family, plan):
 _FUSED = """
 import contextlib, io, json
 from fsdp2_compat import audit
-for family in ("qwen3_vl", "qwen2"):
+for family in ("qwen3_vl", "qwen2", "glm4v"):
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         rc = audit.main(["--model", family, "--plan", "verl", "--fused", "--json"])
@@ -133,26 +133,35 @@ for family in ("qwen3_vl", "qwen2"):
 @needs_verl
 @pytest.mark.skipif(VERL is None or not guards.in_range(VERL, ">=0.6.0"), reason="verl < 0.6.0 has no fused Qwen3-VL forward")
 def test_fused_forward_lm_head_read(python):
-    for family in ("qwen3_vl", "qwen2"):
+    families = ("qwen3_vl", "qwen2", "glm4v")
+    for family in families:
         reason = tiny_models.available(family)
         if reason is not True:
             pytest.skip(str(reason))
     proc = python(_FUSED)
     results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert [r["family"] for r in results] == ["qwen3_vl", "qwen2"], proc.stdout + proc.stderr
+    assert [r["family"] for r in results] == list(families), proc.stdout + proc.stderr
     for r in results:
         rep = r["report"]
         assert rep is not None and rep["fused"], (r, proc.stderr)
+        hazards = {h["param"]: h for h in rep["hazards"]}
+        if r["family"] == "glm4v":
+            # verl's GLM4V forward only runs with transformers adapted (glm4v_bridge); the report says so.
+            assert any("glm4v_bridge" in n for n in rep["notes"]), rep["notes"]
+            # The vision tower's raw read is there under verl's plan whatever the release.
+            vision = hazards.pop("model.visual.embeddings.position_embedding.weight")
+            assert (vision["op"], vision["patch"]) == ("grid_sample", "glm4v"), vision
         if guards.in_range(VERL, ">=0.7.1"):
             # lm_head is its own unit; the fused forward reads its weight raw in the root's forward.
             assert "lm_head" in rep["units"]
             assert r["rc"] == 1
-            [h] = rep["hazards"]
+            [h] = hazards.values()
             assert (h["param"], h["owner"], h["reader"], h["mixed"]) == ("lm_head.weight", "lm_head", "", True)
-            assert h["patch"] == {"qwen3_vl": "qwen3vl", "qwen2": "textlm"}[r["family"]], h
+            assert h["patch"] == {"qwen3_vl": "qwen3vl", "qwen2": "textlm", "glm4v": "glm4v"}[r["family"]], h
         else:
             # Before 0.7.1 lm_head stays in the root unit: the raw read is safe.
-            assert "lm_head" not in rep["units"] and rep["hazards"] == [] and r["rc"] == 0
+            assert "lm_head" not in rep["units"] and hazards == {}
+            assert r["rc"] == (1 if r["family"] == "glm4v" else 0)
 
 
 # ---------------------------------------------------------------------------

@@ -7,12 +7,13 @@ same verl forward, trained on the mean loss of every rank's different batch.
 
 import pytest
 
-from fsdp2_compat import guards
+from fsdp2_compat import guards, registry
 from fsdp2_compat.examples import tiny_models
 from fsdp2_compat.examples.ranks import run_ranks
 from fsdp2_compat.examples.scenarios import train_fused
 
 VERL = guards.installed_version("verl")
+TRANSFORMERS_MAJOR = int((guards.installed_version("transformers") or "0").split(".")[0])
 pytestmark = pytest.mark.skipif(
     VERL is None or not guards.in_range(VERL, ">=0.6.0"), reason="needs verl >= 0.6.0 (fused Qwen3-VL forward)"
 )
@@ -23,7 +24,11 @@ LM_HEAD_OWN_UNIT = VERL is not None and guards.in_range(VERL, ">=0.7.1")
 # verl 0.9.x Qwen3-VL calls plain full_tensor(): runs, but gradients are not averaged.
 FULL_TENSOR_TRAP = VERL is not None and guards.in_range(VERL, ">=0.9.0")
 
-FAMILIES = {"qwen3_vl": "qwen3vl", "qwen2": "textlm"}
+FAMILIES = {"qwen3_vl": "qwen3vl", "qwen2": "textlm", "glm4v": "glm4v"}
+# Under upstream's wrap selection GLM4V crashes in its vision tower (aten.grid_sampler_2d)
+# before lm_head is read, so its "unpatched" fused run fixes the selection alone.
+SELECTION_ONLY = next(p.name for p in registry.PATCHES if p.targets == registry.WRAP_SELECTION)
+UNPATCHED = {"qwen3_vl": None, "qwen2": None, "glm4v": SELECTION_ONLY}
 
 
 def _family(family):
@@ -34,7 +39,7 @@ def _family(family):
 @pytest.mark.skipif(not LM_HEAD_OWN_UNIT, reason="lm_head is in the root unit before verl 0.7.1: nothing breaks")
 @pytest.mark.parametrize("family", [_family(f) for f in FAMILIES])
 def test_unpatched_fused_forward_crashes_or_skips_the_average(family):
-    results = run_ranks(train_fused, 2, family, None)
+    results = run_ranks(train_fused, 2, family, UNPATCHED[family])
     result = results[0]
     assert "lm_head" in result["wrapped"]
     if family == "qwen3_vl" and FULL_TENSOR_TRAP:
@@ -94,3 +99,20 @@ def test_patch_gathers_lm_head_in_bf16_and_reduces_its_gradient():
     assert patched["all_gather_bytes"] == 2 * n and patched["kernel_weight_bytes"] == 2 * n  # bf16
     assert patched["reduce_scatter_bytes"] == 4 * n  # the fp32 gradient is reduce-scattered (averaged)
     assert patched["error"] is None
+
+
+@pytest.mark.skipif(tiny_models.available("glm4v") is not True, reason=str(tiny_models.available("glm4v")))
+def test_verl_glm4v_forward_needs_the_bridge_on_stock_transformers():
+    """Why the GLM4V proofs above adapt transformers (examples/glm4v_bridge.py).
+
+    When this fails because ``stock`` runs, upstream fixed its side: drop the bridge.
+    """
+    from fsdp2_compat.examples.scenarios import glm4v_forward_errors
+
+    [errors] = run_ranks(glm4v_forward_errors, 1)
+    assert errors["bridged"] is None, errors["bridged"]
+    assert errors["stock"] is not None
+    if TRANSFORMERS_MAJOR >= 5:  # the vision tower returns an output object, verl asks for .shape
+        assert "'BaseModelOutputWithPooling' object has no attribute 'shape'" in errors["stock"], errors["stock"]
+    else:  # verl's 4-row position ids meet 4.x's 3-row rotary embedding
+        assert "must match the size of tensor b (4)" in errors["stock"], errors["stock"]

@@ -13,6 +13,7 @@ and the worst errors (``max |a - b| / (1 + |b|)``) of loss, gradients and
 parameters against the reference.
 """
 
+import contextlib
 import importlib
 import importlib.machinery
 import sys
@@ -230,6 +231,8 @@ def train_fused(rank, world, family, patches, steps=2, mesh_shape=None, bf16=Fal
     ``mesh_shape=(2, 2)`` gives an HSDP mesh; ``bf16`` a bf16
     ``MixedPrecisionPolicy`` (fp32 reduce).  The dtype and kind of the
     ``vocab_weights`` that reach ``FusedLinearForPPO`` are recorded.
+    ``glm4v`` runs inside ``glm4v_bridge.bridge()`` with verl's 4-row
+    position ids: verl's GLM4V forward cannot run on stock transformers.
     """
     import copy
 
@@ -267,6 +270,11 @@ def train_fused(rank, world, family, patches, steps=2, mesh_shape=None, bf16=Fal
         return original_forward(self, hidden_states, vocab_weights, *args, **kwargs)
 
     torch_functional.FusedLinearForPPO.forward = spy
+    adapt = contextlib.nullcontext()
+    if family == "glm4v":  # verl's GLM4V forward needs this on every transformers (see glm4v_bridge)
+        from fsdp2_compat.examples import glm4v_bridge
+
+        adapt = glm4v_bridge.bridge()
     result = {
         "wrapped": wrapped_module_names(model),
         "error": None,
@@ -283,42 +291,69 @@ def train_fused(rank, world, family, patches, steps=2, mesh_shape=None, bf16=Fal
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     ref_optimizer = torch.optim.SGD(reference.parameters(), lr=lr)
     try:
-        for step in range(steps):
-            batches = []
-            for r in range(world):
-                batch = tiny_models.make_batch(family, reference, seed=1 + step * world + r)
-                batch.pop("labels", None)
-                batches.append(batch)
-            try:
-                recording[0] = True
-                out = model(**batches[rank], return_dict=True)
-                recording[0] = False
-                loss = _fused_loss(out, batches[rank])
-                loss.backward()
-            except Exception as exc:
-                result["error"] = "step %d: %s: %s" % (step, type(exc).__name__, _first_line(exc))
-                return result
-            ref_outs = [reference(**b, return_dict=True) for b in batches]
-            ref_losses = [_fused_loss(o, b) for o, b in zip(ref_outs, batches)]
-            (sum(ref_losses) / world).backward()
-            result["losses"].append(loss.item())
-            result["loss_err"] = max(result["loss_err"], _rel_err(loss, ref_losses[rank]))
-            result["logprob_err"] = max(result["logprob_err"], _rel_err(out.log_probs, ref_outs[rank].log_probs))
-            ref_scale = max(float(q.grad.abs().max()) for q in reference.parameters() if q.grad is not None)
-            for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
-                grad = _full(p.grad)
-                err = _rel_err(grad, q.grad)
-                if name == "lm_head.weight":
-                    result["lm_head_grad_err"] = max(result["lm_head_grad_err"], err)
-                if err > result["grad_err"]:
-                    result["grad_err"], result["worst_grad"] = err, name
-                if q.grad is not None and float(q.grad.abs().max()) > 1e-3 * ref_scale:
-                    result["grad_rel_to_max"] = max(result["grad_rel_to_max"], _rel_to_max(grad, q.grad))
-            _step(optimizer, ref_optimizer)
-        result["param_err"] = _param_err(model, reference)
+        with adapt:
+            for step in range(steps):
+                batches = []
+                for r in range(world):
+                    batch = tiny_models.make_batch(family, reference, seed=1 + step * world + r)
+                    batch.pop("labels", None)
+                    if family == "glm4v":
+                        batch = glm4v_bridge.verl_batch(reference, batch)
+                    batches.append(batch)
+                try:
+                    recording[0] = True
+                    out = model(**batches[rank], return_dict=True)
+                    recording[0] = False
+                    loss = _fused_loss(out, batches[rank])
+                    loss.backward()
+                except Exception as exc:
+                    result["error"] = "step %d: %s: %s" % (step, type(exc).__name__, _first_line(exc))
+                    return result
+                ref_outs = [reference(**b, return_dict=True) for b in batches]
+                ref_losses = [_fused_loss(o, b) for o, b in zip(ref_outs, batches)]
+                (sum(ref_losses) / world).backward()
+                result["losses"].append(loss.item())
+                result["loss_err"] = max(result["loss_err"], _rel_err(loss, ref_losses[rank]))
+                result["logprob_err"] = max(result["logprob_err"], _rel_err(out.log_probs, ref_outs[rank].log_probs))
+                ref_scale = max(float(q.grad.abs().max()) for q in reference.parameters() if q.grad is not None)
+                for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+                    grad = _full(p.grad)
+                    err = _rel_err(grad, q.grad)
+                    if name == "lm_head.weight":
+                        result["lm_head_grad_err"] = max(result["lm_head_grad_err"], err)
+                    if err > result["grad_err"]:
+                        result["grad_err"], result["worst_grad"] = err, name
+                    if q.grad is not None and float(q.grad.abs().max()) > 1e-3 * ref_scale:
+                        result["grad_rel_to_max"] = max(result["grad_rel_to_max"], _rel_to_max(grad, q.grad))
+                _step(optimizer, ref_optimizer)
+            result["param_err"] = _param_err(model, reference)
     finally:
         torch_functional.FusedLinearForPPO.forward = original_forward
     return result
+
+
+def glm4v_forward_errors(rank, world):
+    """verl's fused GLM4V forward on a tiny unsharded model, on stock transformers and bridged.
+
+    Returns ``{"stock": error or None, "bridged": error or None}``; the
+    ``stock`` error is the upstream incompatibility ``glm4v_bridge`` exists for.
+    """
+    from fsdp2_compat.examples import glm4v_bridge, tiny_models
+
+    from verl.models.transformers.monkey_patch import apply_monkey_patch
+
+    model = tiny_models.build("glm4v", tie=False, seed=0)
+    apply_monkey_patch(model, use_remove_padding=False, use_fused_kernels=True, fused_kernels_backend="torch")
+    batch = glm4v_bridge.verl_batch(model, tiny_models.make_batch("glm4v", model, seed=1))
+    errors = {}
+    for label, adapt in (("stock", contextlib.nullcontext()), ("bridged", glm4v_bridge.bridge())):
+        try:
+            with adapt:
+                model(**batch, return_dict=True).log_probs.sum().backward()
+            errors[label] = None
+        except Exception as exc:
+            errors[label] = "%s: %s" % (type(exc).__name__, _first_line(exc))
+    return errors
 
 
 def lm_head_traffic(rank, world, patches):
