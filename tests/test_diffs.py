@@ -211,7 +211,7 @@ def _installed_pinned(dist):
 
 ORACLE_DISTS = [d for d in PINNED if _installed_pinned(d)]
 VERL_MODULES = ["qwen3_vl", "glm4v", "qwen2_vl", "dense_common", "qwen3_5"]
-REAL_FAMILIES = ["qwen3_vl", "qwen2"]  # through verl's own apply_monkey_patch (scenarios.train_fused)
+REAL_FAMILIES = ["qwen3_vl", "qwen2", "glm4v"]  # through verl's own apply_monkey_patch (scenarios.train_fused)
 
 
 def _families():
