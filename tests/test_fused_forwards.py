@@ -24,11 +24,19 @@ LM_HEAD_OWN_UNIT = VERL is not None and guards.in_range(VERL, ">=0.7.1")
 # verl 0.9.x Qwen3-VL calls plain full_tensor(): runs, but gradients are not averaged.
 FULL_TENSOR_TRAP = VERL is not None and guards.in_range(VERL, ">=0.9.0")
 
-FAMILIES = {"qwen3_vl": "qwen3vl", "qwen2": "textlm", "glm4v": "glm4v"}
-# Under upstream's wrap selection GLM4V crashes in its vision tower (aten.grid_sampler_2d)
-# before lm_head is read, so its "unpatched" fused run fixes the selection alone.
+# tiny family -> (the patch a user of it enables, the verl module whose fused forward it gets)
+FAMILIES = {
+    "qwen3_vl": ("qwen3vl", "qwen3_vl"),
+    "qwen2": ("textlm", "dense_common"),
+    "glm4v": ("glm4v", "glm4v"),  # GLM-4.1V
+    "glm4v_moe": ("glm4v", "dense_common"),  # GLM-4.5V
+    "glm46v": ("glm4v", "dense_common"),  # GLM-4.6V
+}
+# Under upstream's wrap selection the GLM family crashes in its vision tower
+# (aten.grid_sampler_2d) before lm_head is read, so their "unpatched" fused runs
+# fix the selection alone (a patch whose only targets are the wrap selection).
 SELECTION_ONLY = next(p.name for p in registry.PATCHES if p.targets == registry.WRAP_SELECTION)
-UNPATCHED = {"qwen3_vl": None, "qwen2": None, "glm4v": SELECTION_ONLY}
+UNPATCHED = {f: SELECTION_ONLY if f.startswith("glm") else None for f in FAMILIES}
 
 
 def _family(family):
@@ -42,6 +50,7 @@ def test_unpatched_fused_forward_crashes_or_skips_the_average(family):
     results = run_ranks(train_fused, 2, family, UNPATCHED[family])
     result = results[0]
     assert "lm_head" in result["wrapped"]
+    assert result["forward"] == "verl.models.transformers." + FAMILIES[family][1], result["forward"]
     if family == "qwen3_vl" and FULL_TENSOR_TRAP:
         assert result["error"] is None, result["error"]
         errs = [r["lm_head_grad_err"] for r in results]
@@ -55,9 +64,11 @@ def test_unpatched_fused_forward_crashes_or_skips_the_average(family):
 
 @pytest.mark.parametrize("family", [_family(f) for f in FAMILIES])
 def test_patched_fused_forward_matches_the_dp_average(family):
-    results = run_ranks(train_fused, 2, family, FAMILIES[family])
+    patch, forward = FAMILIES[family]
+    results = run_ranks(train_fused, 2, family, patch)
     for rank, r in enumerate(results):
         assert r["error"] is None, "rank %d: %s" % (rank, r["error"])
+        assert r["forward"] == "verl.models.transformers." + forward, r["forward"]
         assert ("lm_head" in r["wrapped"]) == LM_HEAD_OWN_UNIT
         assert r["kernel_weights"] and all(kind != "DTensor" for kind, _, _ in r["kernel_weights"])
         assert r["loss_err"] < TOL and r["logprob_err"] < TOL, r
@@ -69,13 +80,18 @@ def test_patched_fused_forward_matches_the_dp_average(family):
 
 @pytest.mark.parametrize("family", [_family(f) for f in FAMILIES])
 def test_bf16_policy_feeds_the_kernel_bf16_and_keeps_gradients_close(family):
-    results = run_ranks(train_fused, 2, family, FAMILIES[family], kwargs={"bf16": True})
+    results = run_ranks(train_fused, 2, family, FAMILIES[family][0], kwargs={"bf16": True})
     for r in results:
         assert r["error"] is None, r["error"]
         assert {dtype for _, dtype, _ in r["kernel_weights"]} == {"torch.bfloat16"}
         # bf16 has 8 mantissa bits; two steps of bf16 matmuls against an fp32 reference.
         assert r["grad_err"] < 1e-2, (r["worst_grad"], r["grad_err"])
-        assert r["grad_rel_to_max"] < 6e-2, r["grad_rel_to_max"]
+        assert r["lm_head_grad_err"] < 1e-2, r["lm_head_grad_err"]
+        if r["grad_rel_to_max"] >= 6e-2:
+            # bf16 can flip an MoE router's top-k choice, so an expert sees other
+            # tokens than in the fp32 reference (GLM-4.5V: up to 0.23 on an expert).
+            assert family.endswith("_moe") and ".experts." in r["worst_rel_to_max"], (
+                r["worst_rel_to_max"], r["grad_rel_to_max"])
 
 
 def test_hsdp_mesh_averages_over_both_dimensions():

@@ -277,6 +277,7 @@ def train_fused(rank, world, family, patches, steps=2, mesh_shape=None, bf16=Fal
         adapt = glm4v_bridge.bridge()
     result = {
         "wrapped": wrapped_module_names(model),
+        "forward": type(model).forward.__module__,  # which verl fused forward apply_monkey_patch installed
         "error": None,
         "losses": [],
         "logprob_err": 0.0,
@@ -285,6 +286,7 @@ def train_fused(rank, world, family, patches, steps=2, mesh_shape=None, bf16=Fal
         "worst_grad": None,
         "lm_head_grad_err": 0.0,
         "grad_rel_to_max": 0.0,
+        "worst_rel_to_max": None,
         "param_err": 0.0,
         "kernel_weights": seen,
     }
@@ -324,7 +326,9 @@ def train_fused(rank, world, family, patches, steps=2, mesh_shape=None, bf16=Fal
                     if err > result["grad_err"]:
                         result["grad_err"], result["worst_grad"] = err, name
                     if q.grad is not None and float(q.grad.abs().max()) > 1e-3 * ref_scale:
-                        result["grad_rel_to_max"] = max(result["grad_rel_to_max"], _rel_to_max(grad, q.grad))
+                        rel = _rel_to_max(grad, q.grad)
+                        if rel > result["grad_rel_to_max"]:
+                            result["grad_rel_to_max"], result["worst_rel_to_max"] = rel, name
                 _step(optimizer, ref_optimizer)
             result["param_err"] = _param_err(model, reference)
     finally:
