@@ -393,6 +393,7 @@ def _train_bound_forward(rank, world, model_module, steps=2, lr=0.05):
 
     from fsdp2_compat.examples import tiny_models
     from fsdp2_compat.examples.scenarios import (
+        _compare_grads,
         _first_line,
         _full,
         _fused_loss,
@@ -438,12 +439,7 @@ def _train_bound_forward(rank, world, model_module, steps=2, lr=0.05):
         (sum(ref_losses) / world).backward()
         result["losses"].append(loss.item())
         result["loss_err"] = max(result["loss_err"], _rel_err(loss, ref_losses[rank]))
-        for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
-            err = _rel_err(_full(p.grad), q.grad)
-            if name == "lm_head.weight":
-                result["lm_head_grad_err"] = max(result["lm_head_grad_err"], err)
-            if err > result["grad_err"]:
-                result["grad_err"], result["worst_grad"] = err, name
+        _compare_grads(model, reference, result)
         _step(optimizer, ref_optimizer)
     result["param_err"] = _param_err(model, reference)
     # Gradient accumulation: no reduce-scatter on the first micro-batch (as verl

@@ -115,6 +115,30 @@ def _param_err(model, reference):
     return max((_rel_err(_full(p), q) for p, q in zip(model.parameters(), reference.parameters())), default=0.0)
 
 
+def _compare_grads(model, reference, result):
+    """Fold one step's gradients into ``result``'s worst errors, by parameter name.
+
+    Always ``grad_err`` / ``worst_grad``; also each of ``grads_checked``,
+    ``lm_head_grad_err`` and ``grad_rel_to_max`` / ``worst_rel_to_max`` that
+    ``result`` has.  ``grad_rel_to_max`` (for low-precision runs) skips
+    gradients below 1e-3 of the largest, whose relative error is noise.
+    """
+    ref_scale = max((float(q.grad.abs().max()) for q in reference.parameters() if q.grad is not None), default=0.0)
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        grad = _full(p.grad)
+        err = _rel_err(grad, q.grad)
+        if "grads_checked" in result:
+            result["grads_checked"] += int(q.grad is not None)
+        if name == "lm_head.weight" and "lm_head_grad_err" in result:
+            result["lm_head_grad_err"] = max(result["lm_head_grad_err"], err)
+        if err > result["grad_err"]:
+            result["grad_err"], result["worst_grad"] = err, name
+        if "grad_rel_to_max" in result and q.grad is not None and float(q.grad.abs().max()) > 1e-3 * ref_scale:
+            rel = _rel_to_max(grad, q.grad)
+            if rel > result["grad_rel_to_max"]:
+                result["grad_rel_to_max"], result["worst_rel_to_max"] = rel, name
+
+
 def train(rank, world, framework, family, patches, steps=2, tie=False, lr=0.05):
     """One scenario on this rank; see the module docstring for the result.
 
@@ -165,11 +189,7 @@ def train(rank, world, framework, family, patches, steps=2, tie=False, lr=0.05):
         (sum(ref_losses) / world).backward()
         result["losses"].append(loss.item())
         result["loss_err"] = max(result["loss_err"], _rel_err(loss, ref_losses[rank]))
-        for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
-            err = _rel_err(_full(p.grad), q.grad)
-            result["grads_checked"] += int(q.grad is not None)
-            if err > result["grad_err"]:
-                result["grad_err"], result["worst_grad"] = err, name
+        _compare_grads(model, reference, result)
         _step(optimizer, ref_optimizer)
     result["param_err"] = _param_err(model, reference)
     return result
@@ -317,18 +337,7 @@ def train_fused(rank, world, family, patches, steps=2, mesh_shape=None, bf16=Fal
                 result["losses"].append(loss.item())
                 result["loss_err"] = max(result["loss_err"], _rel_err(loss, ref_losses[rank]))
                 result["logprob_err"] = max(result["logprob_err"], _rel_err(out.log_probs, ref_outs[rank].log_probs))
-                ref_scale = max(float(q.grad.abs().max()) for q in reference.parameters() if q.grad is not None)
-                for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
-                    grad = _full(p.grad)
-                    err = _rel_err(grad, q.grad)
-                    if name == "lm_head.weight":
-                        result["lm_head_grad_err"] = max(result["lm_head_grad_err"], err)
-                    if err > result["grad_err"]:
-                        result["grad_err"], result["worst_grad"] = err, name
-                    if q.grad is not None and float(q.grad.abs().max()) > 1e-3 * ref_scale:
-                        rel = _rel_to_max(grad, q.grad)
-                        if rel > result["grad_rel_to_max"]:
-                            result["grad_rel_to_max"], result["worst_rel_to_max"] = rel, name
+                _compare_grads(model, reference, result)
                 _step(optimizer, ref_optimizer)
             result["param_err"] = _param_err(model, reference)
     finally:
