@@ -393,13 +393,11 @@ def _train_bound_forward(rank, world, model_module, steps=2, lr=0.05):
 
     from fsdp2_compat.examples import tiny_models
     from fsdp2_compat.examples.scenarios import (
-        _compare_grads,
         _first_line,
         _full,
         _fused_loss,
-        _param_err,
         _rel_err,
-        _step,
+        train_against_reference,
         wrapped_module_names,
     )
     from verl.utils import fsdp_utils
@@ -424,24 +422,17 @@ def _train_bound_forward(rank, world, model_module, steps=2, lr=0.05):
         "lm_head_grad_err": 0.0,
         "param_err": 0.0,
     }
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=lr)
-    for step in range(steps):
-        batches = [_text_batch(seed=1 + step * world + r) for r in range(world)]
-        try:
-            out = model(**batches[rank], return_dict=True)
-            loss = _fused_loss(out, batches[rank])
-            loss.backward()
-        except Exception as exc:
-            result["error"] = "step %d: %s: %s" % (step, type(exc).__name__, _first_line(exc))
-            return result
-        ref_losses = [_fused_loss(reference(**b, return_dict=True), b) for b in batches]
-        (sum(ref_losses) / world).backward()
-        result["losses"].append(loss.item())
-        result["loss_err"] = max(result["loss_err"], _rel_err(loss, ref_losses[rank]))
-        _compare_grads(model, reference, result)
-        _step(optimizer, ref_optimizer)
-    result["param_err"] = _param_err(model, reference)
+
+    def loss_of(module, batch):
+        out = module(**batch, return_dict=True)
+        return _fused_loss(out, batch), out
+
+    def batches_for(step):
+        return [_text_batch(seed=1 + step * world + r) for r in range(world)]
+
+    train_against_reference(model, reference, rank, world, result, batches_for, loss_of, steps, lr)
+    if result["error"] is not None:
+        return result
     # Gradient accumulation: no reduce-scatter on the first micro-batch (as verl
     # does with several micro-batches per step), then one for both.
     micro = [[_text_batch(seed=50 + 10 * r + k) for k in range(2)] for r in range(world)]
@@ -457,8 +448,8 @@ def _train_bound_forward(rank, world, model_module, steps=2, lr=0.05):
         )
     except Exception as exc:
         result["accum_error"] = "%s: %s" % (type(exc).__name__, _first_line(exc))
-    optimizer.zero_grad()
-    ref_optimizer.zero_grad()
+    model.zero_grad()
+    reference.zero_grad()
     # Log-probs without autograd (rollout): must work and leave lm_head resharded.
     with torch.no_grad():
         try:

@@ -7,6 +7,10 @@ gets *different* data.  The reference trains on the mean of all ranks'
 losses, i.e. the data-parallel average gradient, so a rank that only sees its
 own gradient (the ``full_tensor()`` trap) cannot match it.
 
+``train_against_reference`` is that loop, shared by ``train`` (each
+framework's ``apply_fsdp2``), ``train_fused`` (verl's fused-kernel forwards)
+and the diff oracle in ``patched_source``.
+
 The result is a plain dict (picklable across ranks): the wrapped module names,
 the first error message if the forward or backward raised, per-step losses
 and the worst errors (``max |a - b| / (1 + |b|)``) of loss, gradients and
@@ -110,6 +114,41 @@ def _step(*optimizers):
         optimizer.zero_grad()
 
 
+def train_against_reference(model, reference, rank, world, result, batches_for, loss_of, steps=2, lr=0.05,
+                            compare=None):
+    """SGD steps on this rank's batch (``model``) and on the mean of every rank's (``reference``).
+
+    ``batches_for(step)`` gives one batch per rank (different data); ``loss_of(module,
+    batch)`` returns ``(loss, output)``.  After each step the worst loss and
+    gradient errors are folded into ``result`` (``_compare_grads``), and
+    ``compare(output, reference_output)`` may fold more; at the end,
+    ``param_err``.  If the sharded forward or backward raises, ``result["error"]``
+    says which step and how, and training stops there.
+    """
+    import torch
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=lr)
+    for step in range(steps):
+        batches = batches_for(step)
+        try:
+            loss, out = loss_of(model, batches[rank])
+            loss.backward()
+        except Exception as exc:
+            result["error"] = "step %d: %s: %s" % (step, type(exc).__name__, _first_line(exc))
+            return result
+        ref = [loss_of(reference, b) for b in batches]
+        (sum(loss for loss, _ in ref) / world).backward()
+        result["losses"].append(loss.item())
+        result["loss_err"] = max(result["loss_err"], _rel_err(loss, ref[rank][0]))
+        if compare is not None:
+            compare(out, ref[rank][1])
+        _compare_grads(model, reference, result)
+        _step(optimizer, ref_optimizer)
+    result["param_err"] = _param_err(model, reference)
+    return result
+
+
 def _param_err(model, reference):
     """Worst parameter error after training, sharded parameters gathered."""
     return max((_rel_err(_full(p), q) for p, q in zip(model.parameters(), reference.parameters())), default=0.0)
@@ -175,24 +214,15 @@ def train(rank, world, framework, family, patches, steps=2, tie=False, lr=0.05):
         result["error"] = "apply_fsdp2: %s: %s" % (type(exc).__name__, _first_line(exc))
         return result
     result["wrapped"] = wrapped_module_names(model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=lr)
-    for step in range(steps):
-        batches = [tiny_models.make_batch(family, reference, seed=1 + step * world + r) for r in range(world)]
-        try:
-            loss = model(**batches[rank]).loss
-            loss.backward()
-        except Exception as exc:
-            result["error"] = "step %d: %s: %s" % (step, type(exc).__name__, _first_line(exc))
-            return result
-        ref_losses = [reference(**b).loss for b in batches]
-        (sum(ref_losses) / world).backward()
-        result["losses"].append(loss.item())
-        result["loss_err"] = max(result["loss_err"], _rel_err(loss, ref_losses[rank]))
-        _compare_grads(model, reference, result)
-        _step(optimizer, ref_optimizer)
-    result["param_err"] = _param_err(model, reference)
-    return result
+
+    def loss_of(module, batch):
+        out = module(**batch)
+        return out.loss, out
+
+    def batches_for(step):
+        return [tiny_models.make_batch(family, reference, seed=1 + step * world + r) for r in range(world)]
+
+    return train_against_reference(model, reference, rank, world, result, batches_for, loss_of, steps, lr)
 
 
 def wrap_plans(rank, world, framework, families, patches):
@@ -310,39 +340,32 @@ def train_fused(rank, world, family, patches, steps=2, mesh_shape=None, bf16=Fal
         "param_err": 0.0,
         "kernel_weights": seen,
     }
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=lr)
+
+    def batches_for(step):
+        batches = []
+        for r in range(world):
+            batch = tiny_models.make_batch(family, reference, seed=1 + step * world + r)
+            batch.pop("labels", None)
+            batches.append(glm4v_bridge.verl_batch(reference, batch) if family == "glm4v" else batch)
+        return batches
+
+    def loss_of(module, batch):
+        recording[0] = module is model
+        try:
+            out = module(**batch, return_dict=True)
+        finally:
+            recording[0] = False
+        return _fused_loss(out, batch), out
+
+    def compare(out, ref_out):
+        result["logprob_err"] = max(result["logprob_err"], _rel_err(out.log_probs, ref_out.log_probs))
+
     try:
         with adapt:
-            for step in range(steps):
-                batches = []
-                for r in range(world):
-                    batch = tiny_models.make_batch(family, reference, seed=1 + step * world + r)
-                    batch.pop("labels", None)
-                    if family == "glm4v":
-                        batch = glm4v_bridge.verl_batch(reference, batch)
-                    batches.append(batch)
-                try:
-                    recording[0] = True
-                    out = model(**batches[rank], return_dict=True)
-                    recording[0] = False
-                    loss = _fused_loss(out, batches[rank])
-                    loss.backward()
-                except Exception as exc:
-                    result["error"] = "step %d: %s: %s" % (step, type(exc).__name__, _first_line(exc))
-                    return result
-                ref_outs = [reference(**b, return_dict=True) for b in batches]
-                ref_losses = [_fused_loss(o, b) for o, b in zip(ref_outs, batches)]
-                (sum(ref_losses) / world).backward()
-                result["losses"].append(loss.item())
-                result["loss_err"] = max(result["loss_err"], _rel_err(loss, ref_losses[rank]))
-                result["logprob_err"] = max(result["logprob_err"], _rel_err(out.log_probs, ref_outs[rank].log_probs))
-                _compare_grads(model, reference, result)
-                _step(optimizer, ref_optimizer)
-            result["param_err"] = _param_err(model, reference)
+            return train_against_reference(model, reference, rank, world, result, batches_for, loss_of, steps, lr,
+                                           compare)
     finally:
         torch_functional.FusedLinearForPPO.forward = original_forward
-    return result
 
 
 def glm4v_forward_errors(rank, world):
