@@ -7,7 +7,8 @@ CPU gloo group, and run a training step twice: unpatched, then with the
 family's patch.  Each row says what upstream does (the exact error, or "ok"),
 what the patched run does, whether its loss matches an unsharded reference,
 and the patch that fixes it.  verl's fused-kernel forwards (Qwen3-VL, text
-models) are checked the same way through verl's own monkey patch.
+models, GLM-4.5V / 4.6V) are checked the same way through verl's own monkey
+patch.
 
 Exit status 1 when a patch that applied does not fix its case; 0 otherwise.
 One rank cannot show the gradient-averaging bug (it needs different data on
@@ -30,8 +31,10 @@ SELECTION_CASES = {
     "audioflamingo3": "audioflamingo3",
     "paddleocr_vl": "paddleocrvl",
 }
-# family -> patch name, for verl's fused-kernel forwards
-FUSED_CASES = {"qwen3_vl": "qwen3vl", "qwen2": "textlm"}
+# family -> patch name, for verl's fused-kernel forwards.  Not GLM-4.1V: verl's
+# own glm4v forward does not run on stock transformers at all (see
+# examples/glm4v_bridge.py); GLM-4.5V / 4.6V get dense_common's forward.
+FUSED_CASES = {"qwen3_vl": "qwen3vl", "qwen2": "textlm", "glm4v_moe": "glm4v", "glm46v": "glm4v"}
 
 FRAMEWORKS = ("verl", "skyrl", "skyrl-train")
 TOL = 1e-5

@@ -69,6 +69,13 @@ def test_patched_fused_forward_matches_the_dp_average(family):
     for rank, r in enumerate(results):
         assert r["error"] is None, "rank %d: %s" % (rank, r["error"])
         assert r["forward"] == "verl.models.transformers." + forward, r["forward"]
+        if forward == "dense_common" and family != "qwen2":
+            # verl's text-only fused forward drops the images (upstream); the patch says so, once.
+            assert r["vision_calls"] == 0
+            assert len(r["warnings"]) == 1 and "ignores pixel_values" in r["warnings"][0], r["warnings"]
+        else:
+            assert r["warnings"] == []
+            assert r["vision_calls"] == (2 if family != "qwen2" else 0)  # one per step
         assert ("lm_head" in r["wrapped"]) == LM_HEAD_OWN_UNIT
         assert r["kernel_weights"] and all(kind != "DTensor" for kind, _, _ in r["kernel_weights"])
         assert r["loss_err"] < TOL and r["logprob_err"] < TOL, r

@@ -21,6 +21,7 @@ import contextlib
 import importlib
 import importlib.machinery
 import sys
+import warnings
 
 FSDP_UTILS = {
     "verl": "verl.utils.fsdp_utils",
@@ -339,7 +340,12 @@ def train_fused(rank, world, family, patches, steps=2, mesh_shape=None, bf16=Fal
         "worst_rel_to_max": None,
         "param_err": 0.0,
         "kernel_weights": seen,
+        "vision_calls": 0,  # did the vision tower run in the sharded forward?
+        "warnings": [],  # fsdp2-compat's own warnings during the sharded forwards
     }
+    visual = getattr(getattr(model, "model", None), "visual", None)
+    if visual is not None:
+        visual.register_forward_hook(lambda *_: result.__setitem__("vision_calls", result["vision_calls"] + recording[0]))
 
     def batches_for(step):
         batches = []
@@ -352,9 +358,13 @@ def train_fused(rank, world, family, patches, steps=2, mesh_shape=None, bf16=Fal
     def loss_of(module, batch):
         recording[0] = module is model
         try:
-            out = module(**batch, return_dict=True)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                out = module(**batch, return_dict=True)
         finally:
             recording[0] = False
+        if module is model:
+            result["warnings"] += [str(w.message) for w in caught if str(w.message).startswith("fsdp2-compat")]
         return _fused_loss(out, batch), out
 
     def compare(out, ref_out):

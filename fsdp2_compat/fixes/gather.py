@@ -111,12 +111,44 @@ def gathered(owner, name="weight"):
             owner.reshard()
 
 
+# Inputs verl's text-only fused forward (dense_common) swallows into **loss_kwargs.
+_MEDIA_INPUTS = ("pixel_values", "pixel_values_videos", "input_features")
+_warned_media = set()
+
+
+def _warn_dropped_media(original, model, kwargs):
+    """Say once per model class that verl's text-only fused forward ignores its images.
+
+    verl installs ``dense_common``'s fused forward on every model type it has no
+    dedicated forward for, vision-language ones included (GLM-4.5V / 4.6V,
+    ``glm4v_moe`` / ``glm46v``).  That forward never passes ``pixel_values`` on,
+    so the model trains on the text alone, silently.  Not an FSDP2 bug and not
+    ours to change; a warning is the honest help (use ``use_fused_kernels=False``).
+    """
+    if not getattr(original, "__module__", "").endswith(".dense_common"):
+        return
+    given = [k for k in _MEDIA_INPUTS if kwargs.get(k) is not None]
+    cls = type(model).__name__
+    if given and cls not in _warned_media:
+        import warnings
+
+        _warned_media.add(cls)
+        warnings.warn(
+            "fsdp2-compat: verl's text-only fused forward (dense_common) is installed on %s and ignores %s: "
+            "the model trains without its images/audio. Set use_fused_kernels=False for this model "
+            "(an upstream verl limitation; fsdp2-compat only fixes the lm_head read)." % (cls, ", ".join(given)),
+            UserWarning,
+            stacklevel=3,
+        )
+
+
 def wrap_lm_head_reader(original):
     """Wrap a forward ``f(self, ...)`` that reads ``self.lm_head.weight`` directly."""
     import wrapt
 
     def forward(wrapped, instance, args, kwargs):
         model = instance if instance is not None else (args[0] if args else None)
+        _warn_dropped_media(original, model, kwargs)
         lm_head = getattr(model, "lm_head", None)
         if lm_head is None:
             return wrapped(*args, **kwargs)
