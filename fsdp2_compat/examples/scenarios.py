@@ -281,7 +281,9 @@ def train_fused(rank, world, family, patches, steps=2, mesh_shape=None, bf16=Fal
     forward, trained on the mean loss of all ranks' (different) batches.
     ``mesh_shape=(2, 2)`` gives an HSDP mesh; ``bf16`` a bf16
     ``MixedPrecisionPolicy`` (fp32 reduce).  The dtype and kind of the
-    ``vocab_weights`` that reach ``FusedLinearForPPO`` are recorded.
+    ``vocab_weights`` that reach ``FusedLinearForPPO`` are recorded, as are
+    which verl forward was installed (``forward``), how often the vision
+    tower ran in the sharded forwards and fsdp2-compat's own warnings.
     ``glm4v`` runs inside ``glm4v_bridge.bridge()`` with verl's 4-row
     position ids: verl's GLM4V forward cannot run on stock transformers.
     """
