@@ -34,6 +34,7 @@ def test_check_fails_when_a_patch_does_not_fix_its_case(python):
         from fsdp2_compat import check
         check.SELECTION_CASES = {"glm4v": "qwen3vl"}
         check.FUSED_CASES = {}
+        check.GRADIENT_CASES = {}
         from fsdp2_compat.cli import main
         sys.exit(main(["check", "--json", "--families", "glm4v"]))
         """,
@@ -43,3 +44,21 @@ def test_check_fails_when_a_patch_does_not_fix_its_case(python):
     report = json.loads(proc.stdout)
     assert report["failed"] >= 1
     assert all("grid_sampler_2d" in r["patched"] for r in report["rows"] if r["fixed"] is False)
+
+
+VERL = guards.installed_version("verl")
+
+
+@pytest.mark.skipif(VERL is None or not guards.in_range(VERL, ">=0.9.0"),
+                    reason="plain full_tensor() (runs, unaveraged lm_head gradient) is verl >= 0.9 only")
+def test_check_shows_the_unaveraged_gradient_on_two_ranks(python):
+    proc = python(
+        "import sys; from fsdp2_compat.cli import main; sys.exit(main(['check', '--json', '--families', 'qwen3_vl']))"
+    )
+    report = json.loads(proc.stdout)  # the rank processes' prints must not reach stdout
+    assert report["failed"] == 0
+    [one_rank] = [r for r in report["rows"] if r["kind"] == "fused forward"]
+    [two_ranks] = [r for r in report["rows"] if r["kind"] == "fused, 2 ranks"]
+    assert one_rank["unpatched"] == "ok"  # one rank cannot see it ...
+    assert two_ranks["unpatched"].startswith("runs, but the lm_head.weight gradient misses the data-parallel average")
+    assert two_ranks["patched"] == "ok" and two_ranks["fixed"] and two_ranks["patch"] == "qwen3vl"  # ... two can
