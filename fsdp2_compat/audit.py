@@ -902,9 +902,11 @@ def report(model, batch, plan, label, fused=False, layer_classes=None, notes=())
     if fused and getattr(type(model).__dict__.get("forward"), "__module__", "") == "verl.models.transformers.glm4v":
         from .examples import glm4v_bridge
 
-        adapt = glm4v_bridge.bridge()
-        notes.append("verl's GLM4V forward does not run on stock transformers (an upstream verl bug, not FSDP2): "
-                     "audited with transformers adapted by fsdp2_compat.examples.glm4v_bridge")
+        need = glm4v_bridge.needed()
+        if need is not None:
+            adapt = glm4v_bridge.bridge()
+            notes.append("verl's GLM4V forward does not run on this transformers (%s; an upstream verl bug, not "
+                         "FSDP2): audited with transformers adapted by fsdp2_compat.examples.glm4v_bridge" % need)
     try:
         with adapt:
             hazards = audit(model, batch, units, plan=plan_name)

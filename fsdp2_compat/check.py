@@ -17,7 +17,6 @@ also run on two gloo ranks (separate processes), where "fixed" means the
 lm_head gradient matches the data-parallel average.
 """
 
-import functools
 import json
 import sys
 import time
@@ -46,15 +45,6 @@ GRADIENT_TRAP = ">=0.9.0"
 
 FRAMEWORKS = ("verl", "skyrl", "skyrl-train")
 TOL = 1e-5
-
-
-@functools.lru_cache(maxsize=None)
-def _wrappable(family):
-    """Available here, and with layer classes upstream can use (verl and SkyRL
-    assert on an empty ``_no_split_modules``, e.g. LFM2-VL on transformers 4.57)."""
-    from .examples import tiny_models
-
-    return tiny_models.available(family) is True and bool(tiny_models.build(family)._no_split_modules)
 
 
 def _short(error):
@@ -162,17 +152,17 @@ def run_checks(families=None, frameworks=None, progress=None):
             })
             continue
         for family, patch in SELECTION_CASES.items():
-            if (families is None or family in families) and _wrappable(family):
+            if (families is None or family in families) and tiny_models.wrappable(family) is True:
                 cases.append((framework, version, family, patch, "selection"))
     verl = guards.installed_version("verl")
     if verl and guards.in_range(verl, ">=0.6.0") and (frameworks is None or "verl" in frameworks):
         # Last: verl's monkey patch rewrites model classes for the whole process.
         for family, patch in FUSED_CASES.items():
-            if (families is None or family in families) and tiny_models.available(family) is True:
+            if (families is None or family in families) and tiny_models.wrappable(family) is True:
                 cases.append(("verl", verl, family, patch, "fused forward"))
         if guards.in_range(verl, GRADIENT_TRAP):
             for family, patch in GRADIENT_CASES.items():
-                if (families is None or family in families) and tiny_models.available(family) is True:
+                if (families is None or family in families) and tiny_models.wrappable(family) is True:
                     cases.append(("verl", verl, family, patch, "fused, 2 ranks"))
     import warnings
 

@@ -9,7 +9,6 @@ For every framework release installed in this pinned set:
 - the set of FSDP units differs from upstream's only by auxiliary embeddings.
 """
 
-import functools
 import re
 
 import pytest
@@ -44,20 +43,8 @@ RAW_READ_FAMILIES = {
 TOL = 1e-5
 
 
-@functools.lru_cache(maxsize=None)
-def usable(family):
-    """True, or why upstream cannot shard this family with the installed transformers."""
-    reason = tiny_models.available(family)
-    if reason is not True:
-        return reason
-    if not tiny_models.build(family)._no_split_modules:
-        # verl and SkyRL assert on an empty layer-class list before sharding anything.
-        return "%s has an empty _no_split_modules in this transformers: upstream refuses it" % family
-    return True
-
-
 def family_param(family):
-    reason = usable(family)
+    reason = tiny_models.wrappable(family)
     return pytest.param(family, marks=pytest.mark.skipif(reason is not True, reason=str(reason)))
 
 
@@ -91,7 +78,7 @@ CONTROL_FAMILIES = ["qwen2", "llama", "qwen2_5_vl"]
 def test_patched_plan_differs_from_upstream_only_by_auxiliary_embeddings(framework):
     """Text models and Qwen2.5-VL: identical.  Others: minus the auxiliary
     embeddings (and layer classes nested inside a kept unit)."""
-    families = [f for f in CONTROL_FAMILIES + ["qwen3_vl"] + list(RAW_READ_FAMILIES) if usable(f) is True]
+    families = [f for f in CONTROL_FAMILIES + ["qwen3_vl"] + list(RAW_READ_FAMILIES) if tiny_models.wrappable(f) is True]
     [plans] = run_ranks(wrap_plans, 1, framework, families, "glm4v")
     for family, plan in plans.items():
         patched = set(plan["patched"])
@@ -116,8 +103,8 @@ def test_tied_weights_under_an_untied_flag_train_when_patched(framework):
     """Tied by identity, ``config.tie_word_embeddings`` False (Qwen3-VL on 4.57):
     upstream shards the shared embedding in its own unit, so ``lm_head`` reads a
     sharded weight; the fix decides by identity and gives neither its own unit."""
-    if usable("qwen3_vl") is not True:
-        pytest.skip(str(usable("qwen3_vl")))
+    if tiny_models.wrappable("qwen3_vl") is not True:
+        pytest.skip(str(tiny_models.wrappable("qwen3_vl")))
     unpatched = run_ranks(train, 2, framework, "qwen3_vl", None, kwargs={"tie": "weights-only"})[0]
     assert unpatched["error"] is not None, "upstream trained a tied model split across units?"
     results = run_ranks(train, 2, framework, "qwen3_vl", "glm4v", kwargs={"tie": "weights-only"})

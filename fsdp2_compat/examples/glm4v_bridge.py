@@ -1,25 +1,28 @@
 """Let verl's own GLM4V forward run on a tiny model, with the transformers it admits.
 
 The lm_head proof for GLM4V (tests/test_fused_forwards.py) must run verl's
-real ``glm4v.forward_with_torch_backend``.  Upstream, that forward cannot run
-on any released transformers, for reasons unrelated to FSDP2 (read in verl
-0.7.1, 0.8.0 and 0.9.1, checked against transformers 4.54-4.57 and 5.0-5.8):
+real ``glm4v.forward_with_torch_backend``.  Upstream, that forward runs only
+on the transformers 5.0.0 release candidates (rc0-rc3), for reasons unrelated
+to FSDP2 (read in verl 0.7.1, 0.8.0 and 0.9.1, checked against transformers
+4.54-4.57, 5.0.0rc0-rc3 and 5.0-5.8):
 
-- transformers 5.x: ``Glm4vVisionModel.forward`` returns a
+- transformers 5.0.0 and later: ``Glm4vVisionModel.forward`` returns a
   ``BaseModelOutputWithPooling``; verl's ``_get_input_embeds`` calls
   ``model.visual(...).shape`` (``AttributeError``).  verl has a helper for
   this (``utils.transformers_compat``) but only Qwen3-VL uses it.
-- transformers 4.x: verl's ``process_position_ids`` insists on 4-row position
+- transformers 4.x (4.54-4.57 read): verl's ``process_position_ids`` insists on 4-row position
   ids (a text row on top of the three M-RoPE rows, transformers PR #39447),
   but ``Glm4vTextModel`` in 4.x only knows 3 rows (its rotary embedding fails
   with a broadcast error).
 
 ``bridge()`` adapts *transformers* to the contract verl was written against,
-each time exactly as the other major version behaves: on 5.x the vision tower
-returns its merged features (``pooler_output``, which 4.x returned as a
-tensor); on 4.x a 4-row position tensor loses its text row (which 5.x uses
-only for masks, never for rotary embeddings).  Nothing in verl is replaced;
-every verl function that the patch under test touches runs as released.
+that of the release candidates, and does nothing on them (``needed()``): from
+5.0.0 the vision tower returns its merged features (``pooler_output``, the
+tensor earlier releases returned); on 4.x a 4-row position tensor loses its
+text row (which 5.x uses only for masks, never for rotary embeddings).
+Nothing in verl is replaced; every verl function that the patch under test
+touches runs as released.  The ``tf5rc`` pinned set runs the proof with no
+adaptation at all.
 
 ``verl_batch(model, batch)`` turns a ``tiny_models.make_batch("glm4v", ...)``
 batch into what verl's data pipeline feeds: 4-row position ids, no labels.
@@ -29,13 +32,33 @@ Used by the tests and by ``fsdp2-compat audit --fused``; never by a patch.
 import contextlib
 
 
+def needed():
+    """What this transformers needs adapted for verl's GLM4V forward: a label, or None.
+
+    The 5.0.0 release candidates (rc0-rc3) are the only transformers releases
+    verl's GLM4V forward runs on as is: their vision tower still returns a
+    tensor and their text model already takes 4-row position ids.
+    """
+    from fsdp2_compat import guards
+
+    version = guards.installed_version("transformers")
+    if guards.in_range(version, ">=5.0.0"):
+        return "vision output object"
+    if guards.in_range(version, "<5.0.0rc0"):
+        return "3-row position ids"
+    return None
+
+
 @contextlib.contextmanager
 def bridge():
-    """Adapt transformers' GLM4V classes for verl's forward; restored on exit."""
-    import transformers
+    """Adapt transformers' GLM4V classes for verl's forward where ``needed()``; restored on exit."""
     from transformers.models.glm4v import modeling_glm4v as glm4v
 
-    if int(transformers.__version__.split(".")[0]) >= 5:
+    need = needed()
+    if need is None:
+        yield
+        return
+    if need == "vision output object":
         cls, name = glm4v.Glm4vVisionModel, "forward"
         original = cls.__dict__[name]
 

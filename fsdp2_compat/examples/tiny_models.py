@@ -12,6 +12,7 @@ API::
 
     FAMILIES                        # tuple of family names
     available(family)               # True, or a reason string
+    wrappable(family)               # also: verl / SkyRL accept its layer classes
     build(family, tie=False, seed=0)  # fp32 CPU model in train mode
     make_batch(family, model, seed=..., batch_size=2)  # kwargs for model(**batch)
     real_size_config(family)        # full-size config for meta-device counting
@@ -122,6 +123,24 @@ def available(family: str) -> bool | str:
     if missing:
         return f"transformers {transformers.__version__} has no {' / '.join(missing)}"
     return True
+
+
+_WRAPPABLE: dict = {}
+
+
+def wrappable(family: str) -> bool | str:
+    """True when verl's and SkyRL's ``apply_fsdp2`` can take ``family`` here, else a reason.
+
+    Both assert on an empty layer-class list before sharding anything, and some
+    transformers releases ship an empty ``_no_split_modules`` (LFM2-VL and
+    Voxtral on 4.57, GLM-4.6V on 5.0.0rc3).  Cached: it builds the model once.
+    """
+    if family not in _WRAPPABLE:
+        reason = available(family)
+        if reason is True and not build(family)._no_split_modules:
+            reason = "%s has an empty _no_split_modules in this transformers: upstream refuses it" % family
+        _WRAPPABLE[family] = reason
+    return _WRAPPABLE[family]
 
 
 def _require(family: str) -> None:
