@@ -508,9 +508,22 @@ class _Coverage:
         if not found:
             return None, None
         # Several patches may carry the target (glm4v also covers dense_common
-        # for GLM-4.5V); name the most specific one.
-        p, t = min(found, key=lambda pt: len(pt[0].targets))
+        # for GLM-4.5V): name the one named for this model, else the most specific.
+        named = self._named_for_model([p for p, _ in found])
+        p, t = next(((p, t) for p, t in found if p is named), None) or min(found, key=lambda pt: len(pt[0].targets))
         return p.name, t
+
+    def _named_for_model(self, patches):
+        """The patch among ``patches`` whose name or families name this model's type, or None."""
+        mt = _norm(getattr(getattr(self.model, "config", None), "model_type", "") or "")
+        for p in patches:
+            labels = [p.name]
+            for fam in p.families:
+                head, _, rest = fam.partition("(")
+                labels += [head, rest.rstrip(")"), fam]
+            if any(_norm(label) == mt for label in labels if label):
+                return p
+        return None
 
     def _fixed(self):
         if self._fixed_owners is None:
@@ -523,15 +536,8 @@ class _Coverage:
 
         wrap = {t.key for t in registry.WRAP_SELECTION}
         cands = [p for p in registry.PATCHES if any(t.key in wrap for t in p.targets)]
-        mt = _norm(getattr(getattr(self.model, "config", None), "model_type", "") or "")
-        for p in cands:
-            labels = [p.name]
-            for fam in p.families:
-                head, _, rest = fam.partition("(")
-                labels += [head, rest.rstrip(")"), fam]
-            if any(_norm(label) == mt for label in labels if label):
-                return p.name, [c.name for c in cands]
-        return None, [c.name for c in cands]
+        named = self._named_for_model(cands)
+        return (named.name if named is not None else None), [c.name for c in cands]
 
     def advice(self, read, pname, owner):
         from . import guards
