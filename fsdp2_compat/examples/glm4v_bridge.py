@@ -15,6 +15,9 @@ to FSDP2 (read in verl 0.7.1, 0.8.0 and 0.9.1, checked against transformers
   but ``Glm4vTextModel`` in 4.x only knows 3 rows (its rotary embedding fails
   with a broadcast error).
 
+Related upstream reports: verl issues #4095 and #6814 (GLM-4.1V forwards
+failing in verl).
+
 ``bridge()`` adapts *transformers* to the contract verl was written against,
 that of the release candidates, and does nothing on them (``needed()``): from
 5.0.0 the vision tower returns its merged features (``pooler_output``, the
