@@ -32,6 +32,10 @@ Refused, with ``GatherError``: a sharded parameter whose module is not an
 FSDP2 unit, one that unit does not manage, and one that is still a DTensor
 after unsharding (FSDP + tensor parallel: its full value is not ours to build).
 
+The forward wrappers also warn, once per model class, when verl's text-only
+``dense_common`` forward is handed images or audio (GLM-4.5V / 4.6V with fused
+kernels): that forward drops them, an upstream limitation left unchanged.
+
 Upstream: verl issue #4756, PR #6659.
 Fails safe: the forward wrappers are installed only on fingerprinted releases
 of verl's fused forwards; where ``lm_head`` is not sharded (its weight is a
