@@ -163,7 +163,8 @@ def _compare_grads(model, reference, result):
     ``result`` has.  ``grad_rel_to_max`` (for low-precision runs) skips
     gradients below 1e-3 of the largest, whose relative error is noise.
     """
-    ref_scale = max((float(q.grad.abs().max()) for q in reference.parameters() if q.grad is not None), default=0.0)
+    if "grad_rel_to_max" in result:
+        ref_scale = max((float(q.grad.abs().max()) for q in reference.parameters() if q.grad is not None), default=0.0)
     for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
         grad = _full(p.grad)
         err = _rel_err(grad, q.grad)
@@ -345,9 +346,13 @@ def train_fused(rank, world, family, patches, steps=2, mesh_shape=None, bf16=Fal
         "vision_calls": 0,  # did the vision tower run in the sharded forward?
         "warnings": [],  # fsdp2-compat's own warnings during the sharded forwards
     }
+    def count_vision_call(*_):
+        if recording[0]:
+            result["vision_calls"] += 1
+
     visual = getattr(getattr(model, "model", None), "visual", None)
     if visual is not None:
-        visual.register_forward_hook(lambda *_: result.__setitem__("vision_calls", result["vision_calls"] + recording[0]))
+        visual.register_forward_hook(count_vision_call)
 
     def batches_for(step):
         batches = []

@@ -120,7 +120,7 @@ _MEDIA_INPUTS = ("pixel_values", "pixel_values_videos", "input_features")
 _warned_media = set()
 
 
-def _warn_dropped_media(original, model, kwargs):
+def _warn_dropped_media(model, kwargs):
     """Say once per model class that verl's text-only fused forward ignores its images.
 
     verl installs ``dense_common``'s fused forward on every model type it has no
@@ -128,9 +128,8 @@ def _warn_dropped_media(original, model, kwargs):
     ``glm4v_moe`` / ``glm46v``).  That forward never passes ``pixel_values`` on,
     so the model trains on the text alone, silently.  Not an FSDP2 bug and not
     ours to change; a warning is the honest help (use ``use_fused_kernels=False``).
+    Called only for ``dense_common``'s forwards (decided once, at wrap time).
     """
-    if not getattr(original, "__module__", "").endswith(".dense_common"):
-        return
     given = [k for k in _MEDIA_INPUTS if kwargs.get(k) is not None]
     cls = type(model).__name__
     if given and cls not in _warned_media:
@@ -150,9 +149,12 @@ def wrap_lm_head_reader(original):
     """Wrap a forward ``f(self, ...)`` that reads ``self.lm_head.weight`` directly."""
     import wrapt
 
+    drops_media = getattr(original, "__module__", "").endswith(".dense_common")
+
     def forward(wrapped, instance, args, kwargs):
         model = instance if instance is not None else (args[0] if args else None)
-        _warn_dropped_media(original, model, kwargs)
+        if drops_media:
+            _warn_dropped_media(model, kwargs)
         lm_head = getattr(model, "lm_head", None)
         if lm_head is None:
             return wrapped(*args, **kwargs)
