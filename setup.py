@@ -3,8 +3,9 @@
 A ``.pth`` file only runs when it sits at the root of site-packages, i.e. at
 the root of the wheel (purelib).  ``data-files`` would put it under the
 environment prefix instead, so ``build_py`` writes it into ``build_lib``.
-Its name and its one line live in ``fsdp2_compat/_bootstrap.py`` (``PTH_NAME``,
-``PTH_LINE``), read here with ``ast`` so nothing of the package is imported.
+Its name and its one line live in ``fsdp2_compat/core/config.py`` (``PTH_NAME``,
+``PTH_LINE``), read here by running that stdlib-only file on its own
+(``runpy.run_path``), so nothing of the package is imported.
 
 Editable installs (``pip install -e .``) do not get the file, on purpose and
 by necessity: setuptools' default editable strategy installs a finder for the
@@ -14,8 +15,8 @@ into a folder that is on ``sys.path`` but is no site directory, where a
 the Ray helper and ``import fsdp2_compat.auto`` still work; see docs/enable.md.
 """
 
-import ast
 import os
+import runpy
 
 from setuptools import setup
 from setuptools.command.build_py import build_py
@@ -24,13 +25,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _bootstrap_constants():
-    with open(os.path.join(HERE, "fsdp2_compat", "_bootstrap.py"), encoding="utf-8") as f:
-        tree = ast.parse(f.read())
-    found = {}
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
-            if node.targets[0].id in ("PTH_NAME", "PTH_LINE"):
-                found[node.targets[0].id] = ast.literal_eval(node.value)
+    found = runpy.run_path(os.path.join(HERE, "fsdp2_compat", "core", "config.py"))
     return found["PTH_NAME"], found["PTH_LINE"]
 
 

@@ -15,17 +15,20 @@ kernel (fp32 weight x bf16 activations); its bytes are counted up to there.
 
     python benchmarks/lm_head_gather.py
 
-The measuring code is ``fsdp2_compat.examples.scenarios.lm_head_traffic``
+The measuring code is ``tests/support/rank_jobs.py``'s ``lm_head_traffic``
 (importable by the rank processes; tests assert its byte counts).
 """
 
+import os
 import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
 
 def main():
-    from fsdp2_compat import guards
-    from fsdp2_compat.examples.ranks import run_ranks
-    from fsdp2_compat.examples.scenarios import lm_head_traffic
+    from fsdp2_compat.core import guards
+    from fsdp2_compat.tooling.ranks import run_ranks
+    from support.rank_jobs import lm_head_traffic
 
     verl = guards.installed_version("verl")
     if verl is None or not guards.in_range(verl, ">=0.9.0"):

@@ -85,8 +85,8 @@ def modules_at_start(python, env, cwd):
     code = (
         "import sys; m = sorted(sys.modules); import json; r = {'modules': m}\n"
         "if 'fsdp2_compat' in sys.modules:\n"
-        "    from fsdp2_compat import _hooks, engine\n"
-        "    r['waiting'] = _hooks.waiting(); r['requested'] = list(engine.requested())\n"
+        "    from fsdp2_compat.core import engine, hooks\n"
+        "    r['waiting'] = hooks.waiting(); r['requested'] = list(engine.requested())\n"
         "print(json.dumps(r))"
     )
     proc = subprocess.run([python, "-c", code], env=env, cwd=cwd, capture_output=True, text=True, check=True)

@@ -1,4 +1,4 @@
-"""fsdp2-compat: version-gated runtime fixes for FSDP2 in verl and SkyRL.
+"""fsdp2-compat: version-gated runtime fixes for FSDP2 in the frameworks people train with.
 
 Enable at trainer start-up with ``import fsdp2_compat.auto`` (patches named in
 ``FSDP2_COMPAT_PATCHES``, all when unset) or programmatically::
@@ -8,19 +8,25 @@ Enable at trainer start-up with ``import fsdp2_compat.auto`` (patches named in
     fsdp2_compat.status()            # what happened, per patch and target
     fsdp2_compat.revert()
 
-Importing this package imports neither torch, transformers, verl nor SkyRL;
+Importing this package imports neither torch, transformers nor any framework;
 the heavier helpers below load on first attribute access.
+
+Layout: ``core/`` (what start-up loads: config, hooks, records, guards,
+aliases, engine, status), ``registry`` (the catalogue), ``integrations/``
+(one declarative module per upstream framework), ``fixes/`` (the fixes),
+``activation/`` (the implicit ways in: start-up ``.pth``, verl plugin, Ray),
+``tooling/`` (``check``, ``audit`` and the tiny-model harness they run).
 """
 
 __version__ = "0.1.0"
 
-from ._config import ConfigError  # noqa: E402  (stdlib only)
-from .engine import Fsdp2CompatError, apply, patched, revert  # noqa: E402
+from .core.config import ConfigError  # noqa: E402  (stdlib only)
+from .core.engine import Fsdp2CompatError, apply, patched, revert  # noqa: E402
 
 _LAZY = {
     "select_wrap_targets": ("fsdp2_compat.fixes.selection", "select_wrap_targets"),
     "embeddings_tied": ("fsdp2_compat.fixes.selection", "embeddings_tied"),
-    "status": ("fsdp2_compat.status", "status"),
+    "status": ("fsdp2_compat.core.status", "status"),
     "gather_param": ("fsdp2_compat.fixes.gather", "gather_param"),
     "gathered": ("fsdp2_compat.fixes.gather", "gathered"),
     "GatherError": ("fsdp2_compat.fixes.gather", "GatherError"),

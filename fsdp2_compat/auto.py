@@ -10,8 +10,7 @@ the bad token and the valid names.  Importing this module costs a few
 milliseconds: no torch, transformers, verl or SkyRL is imported.
 """
 
-import os
+from .core import config, engine
 
-from . import _config, engine
-
-REQUESTED = engine.apply(os.environ.get(_config.PATCHES_ENV))
+# The explicit policy: the user wrote this import, so unset means all.
+REQUESTED = engine.apply(config.explicit_selection())

@@ -1,6 +1,6 @@
 """``fsdp2-compat``: see what applies to the installed packages.
 
-    fsdp2-compat check [--json] [--families a,b]
+    fsdp2-compat check [--json] [--verbose] [--families a,b]
     fsdp2-compat audit --model FAMILY --plan verl|skyrl|fixed|hyperparallel|NAMES [--json]
     fsdp2-compat status [--json] [--patches NAMES] [--no-import]
     fsdp2-compat list
@@ -9,20 +9,20 @@
 
 import argparse
 import json
-import os
 import sys
 
 
 def _cmd_status(args):
-    from . import _config, engine, registry
-    from .status import format_table, status
+    from . import registry
+    from .core import config, engine
+    from .core.status import format_table, status
 
-    selection = args.patches if args.patches is not None else os.environ.get(_config.PATCHES_ENV)
+    selection = args.patches if args.patches is not None else config.explicit_selection()
     chosen = engine.apply(selection)
     errors = {}
     if not args.no_import:
         # Import each installed target module so its outcome is real, not "waiting".
-        from . import guards
+        from .core import guards
 
         for target in registry.targets():
             if target.key not in {t.key for n in chosen for t in registry.patch(n).targets}:
@@ -34,7 +34,7 @@ def _cmd_status(args):
             except Exception as exc:  # report, keep going: status must always print
                 errors[target.module] = "%s: %s" % (type(exc).__name__, exc)
     rows = status()
-    from ._bootstrap import activation_summary
+    from .activation.bootstrap import activation_summary
 
     # How fsdp2-compat reaches other processes (start-up .pth, verl plugin, Ray hook).
     activation = activation_summary()
@@ -58,7 +58,7 @@ def _cmd_status(args):
 
 
 def _cmd_check(args):
-    from . import check
+    from .tooling import check
 
     return check.main(args)
 
@@ -68,14 +68,14 @@ def _cmd_list(args):
 
     for p in registry.PATCHES:
         print("%-11s %s" % (p.name, p.summary))
-        print("%-11s families: %s" % ("", "; ".join(p.families)))
+        print("%-11s model types: %s%s" % ("", ", ".join(p.families), "; " + p.note if p.note else ""))
         for t in p.targets:
             print("%-11s   %s %s  %s.%s" % ("", t.dist, t.versions, t.module, t.attr))
     return 0
 
 
 def _cmd_fingerprint(args):
-    from .guards import fingerprint_source
+    from .core.guards import fingerprint_source
 
     with open(args.file, encoding="utf-8") as f:
         print(fingerprint_source(f.read(), args.name))
@@ -89,13 +89,14 @@ def main(argv=None):
     p = sub.add_parser("check", help="run each covered bug unpatched and patched on tiny models (CPU, no downloads)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--families", help="comma-separated tiny model families (default: all covered)")
+    p.add_argument("--verbose", action="store_true", help="also show what upstream printed in each case")
     p.set_defaults(func=_cmd_check)
 
     p = sub.add_parser("audit", help="find raw reads across FSDP units for a wrap plan, in one CPU forward")
-    from . import audit
+    from .tooling.audit import cli as audit_cli
 
-    audit.add_arguments(p)
-    p.set_defaults(func=audit.run)
+    audit_cli.add_arguments(p)
+    p.set_defaults(func=audit_cli.run)
 
     p = sub.add_parser("status", help="apply the requested patches here and show what happened")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -112,7 +113,7 @@ def main(argv=None):
     p.set_defaults(func=_cmd_fingerprint)
 
     args = parser.parse_args(argv)
-    from ._config import ConfigError
+    from .core.config import ConfigError
 
     try:
         return args.func(args)

@@ -1,13 +1,20 @@
-"""The catalogue: every patch users can name, and the targets it needs.
+"""The catalogue: every patch users can name, the model types it is for, and its targets.
 
 Read top to bottom, this file is the product's feature list.  Patches are
 named after the model family a user trains, because that is what they know
 when they hit the crash; families that fail for the same reason share the
 same targets, which are applied once.
+
+Each patch lists the transformers ``model_type`` values it covers: the one
+map from a model to its patch.  ``fsdp2-compat list`` and ``check``, the
+auditor's advice, the tests' parametrisations and the README table are
+derived from it (``for_model_type``, ``selection_model_types``).
+
+Rules that need the whole catalogue live here too (``sibling_covers``).
 """
 
 from .integrations import skyrl, verl
-from .records import Patch
+from .core.records import Patch
 
 # The corrected FSDP2 wrap selection, in every framework release that has the bug.
 WRAP_SELECTION = (verl.WRAP_SELECTION_INLINE, verl.WRAP_SELECTION, skyrl.SKYRL, skyrl.SKYRL_TRAIN)
@@ -25,10 +32,9 @@ _LM_HEAD_DELETE = (
 )
 
 
-
-def _selection_patch(name, summary, families):
+def _selection_patch(name, summary, model_types):
     """A family whose only problem is the wrap selection."""
-    return Patch(name, summary, families, WRAP_SELECTION, _SELECTION_REFS, _SELECTION_DELETE)
+    return Patch(name, summary, model_types, WRAP_SELECTION, _SELECTION_REFS, _SELECTION_DELETE)
 
 
 PATCHES = (
@@ -36,7 +42,7 @@ PATCHES = (
         name="glm4v",
         summary="aten.grid_sampler_2d got mixed torch.Tensor and DTensor (vision position_embedding read raw); "
         "verl fused forward reads a sharded lm_head.weight",
-        families=("GLM-4.1V (Glm4v)", "GLM-4.5V (Glm4vMoe)", "GLM-4.6V (Glm46V)"),
+        model_types={"glm4v": "GLM-4.1V", "glm4v_moe": "GLM-4.5V", "glm46v": "GLM-4.6V"},
         # verl serves GLM-4.5V / GLM-4.6V (glm4v_moe) through dense_common's fused forward.
         targets=WRAP_SELECTION + verl.GLM4V_FUSED + verl.DENSE_FUSED,
         references=_SELECTION_REFS + _LM_HEAD_REFS,
@@ -46,7 +52,7 @@ PATCHES = (
         name="qwen3vl",
         summary="verl fused forward: aten.mm mixed Tensor/DTensor (0.7.1-0.8.0) or unaveraged lm_head "
         "gradient from plain full_tensor() (0.9.x)",
-        families=("Qwen3-VL", "Qwen3-VL-MoE"),
+        model_types={"qwen3_vl": "Qwen3-VL", "qwen3_vl_moe": "Qwen3-VL-MoE"},
         targets=verl.QWEN3_VL_FUSED,
         references=_LM_HEAD_REFS,
         delete_when=_LM_HEAD_DELETE,
@@ -54,7 +60,7 @@ PATCHES = (
     Patch(
         name="qwen2vl",
         summary="verl fused forward reads a sharded lm_head.weight (aten.mm mixed Tensor/DTensor)",
-        families=("Qwen2-VL", "Qwen2.5-VL"),
+        model_types={"qwen2_vl": "Qwen2-VL", "qwen2_5_vl": "Qwen2.5-VL"},
         targets=verl.QWEN2_VL_FUSED,
         references=_LM_HEAD_REFS,
         delete_when=_LM_HEAD_DELETE,
@@ -62,7 +68,7 @@ PATCHES = (
     Patch(
         name="qwen35",
         summary="verl fused forward: unaveraged lm_head gradient from plain full_tensor()",
-        families=("Qwen3.5", "Qwen3.5-MoE"),
+        model_types={"qwen3_5": "Qwen3.5", "qwen3_5_moe": "Qwen3.5-MoE"},
         targets=verl.QWEN3_5_FUSED,
         references=_LM_HEAD_REFS,
         delete_when=_LM_HEAD_DELETE,
@@ -70,7 +76,8 @@ PATCHES = (
     Patch(
         name="textlm",
         summary="verl fused forward for text-only models reads a sharded lm_head.weight (aten.mm mixed Tensor/DTensor)",
-        families=("text-only causal LMs served by verl's dense_common (Qwen2/2.5/3, Llama, ...)",),
+        model_types={"qwen2": "Qwen2 / Qwen2.5", "qwen3": "Qwen3", "llama": "Llama"},
+        note="and any other text-only causal LM verl serves through its dense_common fused forward",
         targets=verl.DENSE_FUSED,
         references=_LM_HEAD_REFS,
         delete_when=_LM_HEAD_DELETE,
@@ -78,29 +85,29 @@ PATCHES = (
     _selection_patch(
         "lfm2vl",
         "fully_shard TypeError / aten.mm mixed Tensor and DTensor (SigLIP2 position_embedding read raw)",
-        ("LFM2-VL (SigLIP2 vision)",),
+        {"lfm2_vl": "LFM2-VL"},
     ),
     _selection_patch(
         "qwen2audio",
         "fully_shard overlapping-mesh error (nested layer classes) / aten.add mixed Tensor and DTensor "
         "(audio embed_positions read raw)",
-        ("Qwen2-Audio",),
+        {"qwen2_audio": "Qwen2-Audio"},
     ),
     _selection_patch(
         "voxtral",
         "aten.add got mixed torch.Tensor and DTensor (audio embed_positions read raw)",
-        ("Voxtral",),
+        {"voxtral": "Voxtral"},
     ),
     _selection_patch(
         "audioflamingo3",
         "fully_shard overlapping-mesh error (nested layer classes) / aten.add mixed Tensor and DTensor "
         "(audio embed_positions read raw)",
-        ("AudioFlamingo3",),
+        {"audioflamingo3": "AudioFlamingo3"},
     ),
     _selection_patch(
         "paddleocrvl",
         "aten.add got mixed torch.Tensor and DTensor (vision position_embedding read raw)",
-        ("PaddleOCR-VL",),
+        {"paddleocr_vl": "PaddleOCR-VL"},
     ),
 )
 
@@ -124,3 +131,42 @@ def targets():
                 seen.add(t.key)
                 out.append(t)
     return out
+
+
+def for_model_type(model_type):
+    """The patch listed for ``model_type`` (a transformers ``config.model_type``), or None."""
+    for p in PATCHES:
+        if model_type in p.model_types:
+            return p
+    return None
+
+
+def fixes_selection(p):
+    """True when patch ``p`` carries the corrected wrap selection."""
+    keys = {t.key for t in WRAP_SELECTION}
+    return any(t.key in keys for t in p.targets)
+
+
+def selection_model_types():
+    """``{model_type: patch name}`` for every model type whose patch corrects the wrap selection."""
+    return {mt: p.name for p in PATCHES if fixes_selection(p) for mt in p.model_types}
+
+
+def sibling(target, version, patch_names):
+    """The other target of one of ``patch_names`` that patches the same module for ``version``, or None.
+
+    verl's wrap selection moved from an inline loop (``apply_fsdp2``, up to
+    0.7.0) to ``_select_fsdp2_wrap_targets`` (0.7.1+): a patch carries one
+    target per layout, and on any release only one of them applies.  The
+    other is then "another seam", not a refusal (engine and status both ask).
+    """
+    from .core import guards
+
+    if not version:
+        return None
+    for name in patch_names:
+        for other in patch(name).targets:
+            if other is not target and other.dist == target.dist and other.module == target.module:
+                if guards.in_range(version, other.versions):
+                    return other
+    return None

@@ -105,7 +105,7 @@ def wrap_fully_shard(original):
 
 def seam(module, attr="apply_fsdp2"):
     """Replacements for a module that defines ``apply_fsdp2`` and imports ``fully_shard``."""
-    from ..guards import Drift
+    from ..core.guards import Drift
 
     fully_shard = module.__dict__.get("fully_shard")
     if fully_shard is None or not callable(fully_shard):

@@ -1,0 +1,29 @@
+"""One declarative module per upstream framework: where each release keeps the code we fix.
+
+Each module holds ``Target`` records (one seam in one release range, with the
+fingerprints of the released code) and one ``Integration`` record per
+distribution (its package, the module that wraps models, the callers that
+import it by name).  ``fsdp2_compat.registry`` bundles the targets into the
+patches users name; ``INTEGRATIONS`` below is the one framework -> module map
+the tooling and the tests read.
+
+Adding a framework is one module here plus its targets in the registry.
+"""
+
+from . import skyrl, verl
+
+INTEGRATIONS = (verl.INTEGRATION, skyrl.SKYRL_INTEGRATION, skyrl.SKYRL_TRAIN_INTEGRATION)
+
+_BY_DIST = {i.dist: i for i in INTEGRATIONS}
+
+
+def get(dist):
+    """The ``Integration`` of distribution ``dist`` (``KeyError`` names the known ones)."""
+    try:
+        return _BY_DIST[dist]
+    except KeyError:
+        raise KeyError("no integration for %r; known: %s" % (dist, ", ".join(_BY_DIST))) from None
+
+
+def dists():
+    return tuple(_BY_DIST)

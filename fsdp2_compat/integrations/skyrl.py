@@ -12,11 +12,25 @@ Fails safe: out-of-range releases and unknown fingerprints are skipped with
 the reason, nothing touched.
 """
 
-from ..records import Target
+from ..core.records import Integration, Target
+
+SKYRL_INTEGRATION = Integration(
+    dist="skyrl",
+    package="skyrl",
+    wrap_module="skyrl.backends.skyrl_train.distributed.fsdp_utils",
+    callers=("skyrl.backends.skyrl_train.distributed.fsdp_strategy",),
+)
+
+SKYRL_TRAIN_INTEGRATION = Integration(
+    dist="skyrl-train",
+    package="skyrl_train",
+    wrap_module="skyrl_train.distributed.fsdp_utils",
+    callers=("skyrl_train.distributed.fsdp_strategy",),
+)
 
 SKYRL = Target(
     dist="skyrl",
-    module="skyrl.backends.skyrl_train.distributed.fsdp_utils",
+    module=SKYRL_INTEGRATION.wrap_module,
     attr="apply_fsdp2",
     versions=">=0.1.0,<=0.3.0",
     fingerprints={"0.1.0": "260e89f6d23e4b6c", "0.2.0-0.3.0": "9414d8830a5b5ef4"},
@@ -27,7 +41,7 @@ SKYRL = Target(
 
 SKYRL_TRAIN = Target(
     dist="skyrl-train",
-    module="skyrl_train.distributed.fsdp_utils",
+    module=SKYRL_TRAIN_INTEGRATION.wrap_module,
     attr="apply_fsdp2",
     versions=">=0.1.0,<=0.3.1",
     fingerprints={"0.1.0-0.3.1": "c1723289c3265bd0"},

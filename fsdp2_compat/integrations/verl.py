@@ -20,9 +20,21 @@ whose fingerprint is not listed is skipped with the reason and left untouched.
 Delete a target when ``fixed_in`` would cover every release you run.
 """
 
-from ..records import Target
+from ..core.records import Integration, Target
 
 FSDP_UTILS = "verl.utils.fsdp_utils"
+
+INTEGRATION = Integration(
+    dist="verl",
+    package="verl",
+    wrap_module=FSDP_UTILS,
+    callers=(
+        "verl.workers.fsdp_workers",  # 0.4.0-0.7.1
+        "verl.trainer.fsdp_sft_trainer",  # 0.4.0-0.7.0
+        "verl.workers.engine.fsdp.engine_impl",  # 0.5.0
+        "verl.workers.engine.fsdp.transformer_impl",  # 0.6.0+
+    ),
+)
 
 WRAP_SELECTION_INLINE = Target(
     dist="verl",

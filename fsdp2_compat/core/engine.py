@@ -1,0 +1,428 @@
+"""Apply, track and revert patches.
+
+Life of a target (one seam in one upstream module):
+
+    requested --(module imported)--> applied | skipped | failed --(revert)--> reverted
+
+Nothing is decided when a patch is requested: the hook waits for the target
+module, and the outcome is recorded when the import happens (or at once if
+the module is already loaded).  Every decision is an ``Outcome`` that says
+what was required and what was found.
+
+Fail-safe rules:
+- a seam is swapped only if the installed release is in the target's range
+  and the code there has a known fingerprint;
+- all attributes of a seam and their aliases change together or not at all;
+- a failing or skipped patch never breaks the user's import, unless
+  ``FSDP2_COMPAT_STRICT=1`` (or ``strict=True``) asks for an error.
+
+This module is imported by ``fsdp2_compat.auto``: stdlib only at top level.
+"""
+
+import sys
+import _thread
+
+from . import config, hooks
+
+APPLIED = "applied"
+WAITING = "waiting for import"
+NOT_INSTALLED = "skipped: not installed"
+VERSION = "skipped: version"
+DRIFTED = "skipped: upstream code drifted"
+NOT_NEEDED = "not needed"
+FAILED = "failed"
+REVERTED = "reverted"
+NOT_REQUESTED = "not requested"
+
+# Outcomes that mean "the user asked for this and did not get it".
+_PROBLEMS = (VERSION, DRIFTED, FAILED)
+
+
+class Fsdp2CompatError(RuntimeError):
+    """A requested patch could not be applied and strict mode is on."""
+
+
+def diff_path(target, version):
+    """Repository path of the source diff equivalent to ``target`` for ``version``."""
+    if not target.diff or not version:
+        return None
+    return "patches/%s/%s/%s.diff" % (target.dist, version, target.diff)
+
+
+class Outcome:
+    """What happened to one target, and why."""
+
+    __slots__ = ("target", "kind", "found", "detail")
+
+    def __init__(self, target, kind, found=None, detail=""):
+        self.target = target
+        self.kind = kind
+        self.found = found
+        self.detail = detail
+
+    def as_dict(self):
+        t = self.target
+        return {
+            "target": t.key,
+            "dist": t.dist,
+            "module": t.module,
+            "attr": t.attr,
+            "what": t.what,
+            "required": t.versions,
+            "found": self.found,
+            "outcome": self.kind,
+            "detail": self.detail,
+            "diff": diff_path(t, self.found),
+        }
+
+    def __repr__(self):
+        return "Outcome(%s: %s%s)" % (self.target.key, self.kind, " - " + self.detail if self.detail else "")
+
+
+class _Applied:
+    """Everything a successful apply changed, so revert can undo it."""
+
+    __slots__ = ("module", "swaps", "aliases")
+
+    def __init__(self, module):
+        self.module = module
+        self.swaps = []  # (attr, original, replacement)
+        self.aliases = []  # (original, replacement, [(namespace, module name, key)])
+
+
+class _TargetState:
+    __slots__ = ("target", "patches", "outcome", "applied", "hook")
+
+    def __init__(self, target):
+        self.target = target
+        self.patches = set()
+        self.outcome = None
+        self.applied = None
+        self.hook = None
+
+
+_lock = _thread.RLock()
+_states = {}  # target key -> _TargetState
+_requested = {}  # patch name -> strict flag
+_replacements = {}  # id(replacement) -> target key, for "is this ours?"
+
+
+def _log():
+    import logging
+
+    return logging.getLogger("fsdp2_compat")
+
+
+def _registry():
+    from .. import registry
+
+    return registry
+
+
+def is_ours(obj):
+    """True when ``obj`` is a replacement installed by fsdp2-compat and not reverted."""
+    return id(obj) in _replacements
+
+
+def active_targets():
+    """Keys of the targets whose replacements are installed right now."""
+    with _lock:
+        return sorted(set(_replacements.values()))
+
+
+# -- where an attribute lives -------------------------------------------------
+# ``attr`` is a module global (``apply_fsdp2``) or a method of a class defined
+# in the module (``FSDP2Engine.prepare_model``).  Reads look at the owner's own
+# ``__dict__`` (never inherited or lazily computed attributes); writes use
+# ``setattr`` (a class ``__dict__`` is read-only).
+
+
+def _owner(module, attr):
+    from . import guards
+
+    head, _, leaf = attr.rpartition(".")
+    if not head:
+        return module, attr
+    owner = module.__dict__.get(head)
+    if not isinstance(owner, type):
+        raise guards.Drift("%s has no class %r" % (module.__name__, head))
+    return owner, leaf
+
+
+def lookup(module, attr):
+    """The object ``attr`` names in ``module`` (``None`` when absent)."""
+    owner, name = _owner(module, attr)
+    return owner.__dict__.get(name)
+
+
+def _store(module, attr, value):
+    owner, name = _owner(module, attr)
+    setattr(owner, name, value)
+
+
+def resolve_names(names):
+    """Normalise ``names`` (None, a selection string, or an iterable) to patch names."""
+    known = _registry().names()
+    if names is None:
+        return known
+    if isinstance(names, str):
+        return config.parse_selection(names, known)
+    names = [str(n).strip().lower() for n in names]
+    bad = [n for n in names if n not in known]
+    if bad:
+        raise config.ConfigError(
+            "unknown patch %r. Valid names: %s." % (bad[0], ", ".join(known))
+        )
+    return tuple(n for n in known if n in names)
+
+
+def apply(names=None, strict=None):
+    """Request patches; each target applies when its module is imported.
+
+    ``names``: None (all), a selection string (``"glm4v,-qwen3vl"``) or an
+    iterable of names.  ``strict`` defaults to ``FSDP2_COMPAT_STRICT``.
+    Returns the tuple of names requested.  Idempotent.
+    """
+    chosen = resolve_names(names)
+    if strict is None:
+        strict = config.strict_from_env()
+    registry = _registry()
+    with _lock:
+        for name in chosen:
+            _requested[name] = bool(strict) or _requested.get(name, False)
+        pending = []
+        for name in chosen:
+            for target in registry.patch(name).targets:
+                state = _states.get(target.key)
+                if state is None:
+                    state = _states[target.key] = _TargetState(target)
+                state.patches.add(name)
+                if state.hook is None and state.applied is None and state.outcome is None:
+                    state.hook = _make_hook(state)
+                    state.outcome = Outcome(target, WAITING)
+                    pending.append(state)
+    # Outside the lock: a hook may fire at once (module already imported).
+    for state in pending:
+        hooks.when_imported(state.target.module, state.hook)
+    return chosen
+
+
+def _make_hook(state):
+    def on_import(module):
+        with _lock:
+            if state.hook is not on_import:  # cancelled by revert meanwhile
+                return
+            state.hook = None
+            outcome = _settle(state, module)
+            state.outcome = outcome
+            strict = any(_requested.get(p) for p in state.patches)
+        _report(outcome)
+        if strict and _is_problem(state, outcome):
+            raise Fsdp2CompatError(
+                "fsdp2-compat (strict): %s for %s: %s" % (outcome.kind, outcome.target.key, outcome.detail)
+            )
+
+    return on_import
+
+
+def _is_problem(state, outcome):
+    if outcome.kind not in _PROBLEMS:
+        return False
+    # Out of range for this seam is fine when a sibling seam of the same
+    # patch covers the installed release (e.g. the pre-0.7.1 verl seam).
+    return not (outcome.kind == VERSION and _registry().sibling(state.target, outcome.found, state.patches) is not None)
+
+
+def _report(outcome):
+    log = _log()
+    message = "%s %s (%s): %s%s" % (
+        outcome.target.key,
+        outcome.found or "",
+        outcome.target.what,
+        outcome.kind,
+        " - " + outcome.detail if outcome.detail else "",
+    )
+    if outcome.kind == FAILED:
+        log.warning(message)
+    else:
+        log.info(message)
+
+
+def _settle(state, module):
+    """Decide and, if everything checks out, apply one target. Never raises."""
+    from . import guards
+
+    target = state.target
+    found = None
+    try:
+        found = guards.installed_version(target.dist)
+        if found is None:
+            return Outcome(target, NOT_INSTALLED, None, "%s is imported but %s has no installed metadata" % (target.module, target.dist))
+        if target.fixed_in and guards.in_range(found, target.fixed_in):
+            return Outcome(target, NOT_NEEDED, found, "fixed upstream in %s %s" % (target.dist, target.fixed_in))
+        if not guards.in_range(found, target.versions):
+            return Outcome(target, VERSION, found, "required %s %s, found %s" % (target.dist, target.versions, found))
+        current = lookup(module, target.attr)
+        if current is None:
+            return Outcome(target, DRIFTED, found, "%s has no attribute %r" % (target.module, target.attr))
+        if is_ours(current):
+            return Outcome(target, APPLIED, found, "already patched")
+        try:
+            fp = guards.fingerprint(current)
+        except LookupError as exc:
+            return Outcome(target, DRIFTED, found, "cannot verify %s.%s: %s" % (target.module, target.attr, exc))
+        if fp not in target.fingerprints.values():
+            known = ", ".join("%s=%s" % kv for kv in target.fingerprints.items())
+            return Outcome(
+                target,
+                DRIFTED,
+                found,
+                "%s.%s has fingerprint %s, expected one of: %s" % (target.module, target.attr, fp, known),
+            )
+        applied = _swap(target, module)
+    except guards.Drift as exc:
+        return Outcome(target, DRIFTED, found, str(exc))
+    except Exception as exc:  # a broken patch must not break the user's import
+        return Outcome(target, FAILED, found, "%s: %s" % (type(exc).__name__, exc))
+    state.applied = applied
+    rebound = sorted({name for _, _, changed in applied.aliases for _, name, _ in changed})
+    detail = "replaced %s.%s" % (target.module, ", ".join(a for a, _, _ in applied.swaps))
+    if rebound:
+        detail += "; rebound aliases in " + ", ".join(rebound)
+    return Outcome(target, APPLIED, found, detail)
+
+
+def _resolve(dotted):
+    module_name, _, func = dotted.partition(":")
+    __import__(module_name)
+    return getattr(sys.modules[module_name], func)
+
+
+def _swap(target, module):
+    """Install every replacement of one seam, all or nothing."""
+    from . import aliases
+
+    replacements = _resolve(target.seam)(module, target.attr)
+    if target.attr not in replacements:
+        raise TypeError("seam %s did not replace %s" % (target.seam, target.attr))
+    applied = _Applied(module)
+    try:
+        for attr, new in replacements.items():
+            old = lookup(module, attr)
+            if old is None:
+                raise TypeError("seam %s replaced %s, which %s does not define" % (target.seam, attr, target.module))
+            _store(module, attr, new)
+            applied.swaps.append((attr, old, new))
+            _replacements[id(new)] = target.key
+        # Only the target's own name is looked up by callers under aliases, and
+        # only a module global can be imported by name; helper globals a seam
+        # swaps (e.g. ``fully_shard``) are private to the module and are the
+        # same object as torch's everywhere else.
+        for attr, old, new in applied.swaps:
+            if attr == target.attr and "." not in attr:
+                changed = aliases.rebind(old, new, skip={(module.__name__, attr)})
+                applied.aliases.append((old, new, changed))
+    except BaseException:
+        _undo(applied)
+        raise
+    return applied
+
+
+def _undo(applied):
+    """Restore originals by identity. Returns names we could not restore."""
+    from . import aliases
+
+    kept = []
+    for attr, old, new in reversed(applied.swaps):
+        if lookup(applied.module, attr) is new:
+            _store(applied.module, attr, old)
+        else:
+            kept.append("%s.%s" % (applied.module.__name__, attr))
+        _replacements.pop(id(new), None)
+    for old, new, changed in reversed(applied.aliases):
+        kept += aliases.restore(changed, old, new)
+        # Modules imported while the patch was on copied the replacement
+        # (``from fsdp_utils import apply_fsdp2``): give them the original too.
+        aliases.rebind(new, old)
+    applied.aliases.clear()
+    applied.swaps.clear()
+    return kept
+
+
+def revert(names=None):
+    """Undo patches (all when ``names`` is None) and forget their requests.
+
+    A target shared with a patch that stays active is kept.  Originals are
+    restored by identity; a name someone else rebound since is left alone and
+    reported in the returned outcome's detail.
+    """
+    chosen = resolve_names(names) if names is not None else tuple(_requested)
+    reverted = []
+    with _lock:
+        for name in chosen:
+            _requested.pop(name, None)
+        for key, state in list(_states.items()):
+            state.patches.difference_update(chosen)
+            if state.patches:
+                continue
+            if state.hook is not None:
+                hooks.cancel(state.target.module, state.hook)
+                state.hook = None
+            if state.applied is not None:
+                kept = _undo(state.applied)
+                state.applied = None
+                detail = "left alone (rebound by someone else since): " + ", ".join(kept) if kept else ""
+                reverted.append(Outcome(state.target, REVERTED, state.outcome.found, detail))
+            del _states[key]
+    for outcome in reverted:
+        _report(outcome)
+    return reverted
+
+
+class patched:
+    """Context manager: ``with patched("glm4v"): ...`` applies, then reverts.
+
+    Patches that were already active before entering stay active after exit.
+    """
+
+    def __init__(self, names=None, strict=None):
+        self._names = names
+        self._strict = strict
+        self._added = ()
+
+    def __enter__(self):
+        before = set(_requested)
+        chosen = apply(self._names, strict=self._strict)
+        self._added = tuple(n for n in chosen if n not in before)
+        return self
+
+    def __exit__(self, *exc):
+        if self._added:
+            revert(self._added)
+        return False
+
+
+def requested():
+    with _lock:
+        return tuple(_requested)
+
+
+def outcomes(names=None):
+    """``[(patch name, Outcome)]`` for every target of ``names`` (default: all)."""
+    registry = _registry()
+    rows = []
+    with _lock:
+        for name in resolve_names(names):
+            for target in registry.patch(name).targets:
+                state = _states.get(target.key)
+                if state is not None and name in state.patches and state.outcome is not None:
+                    rows.append((name, state.outcome))
+                else:
+                    rows.append((name, Outcome(target, NOT_REQUESTED)))
+    return rows
+
+
+def is_applied(name):
+    """True when every target of ``name`` that met its module is applied."""
+    rows = [o for n, o in outcomes([name])]
+    return any(o.kind == APPLIED for o in rows) and not any(o.kind in (FAILED, DRIFTED) for o in rows)

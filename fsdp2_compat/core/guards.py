@@ -1,0 +1,87 @@
+"""Checks made before a seam is touched: installed version and code identity.
+
+Both run when a target module is imported (never at ``import fsdp2_compat``),
+so they may use ``importlib.metadata``, ``packaging`` and ``inspect``.
+"""
+
+
+class Drift(Exception):
+    """Raised by a seam that finds upstream code it does not expect."""
+
+
+def installed_version(dist):
+    """Version string of an installed distribution, or ``None``."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def in_range(version, spec):
+    """True when ``version`` satisfies the PEP 440 ``spec`` (pre-releases count)."""
+    from packaging.specifiers import SpecifierSet
+
+    return SpecifierSet(spec).contains(version, prereleases=True)
+
+
+def fingerprint(obj):
+    """A short hash of the code of ``obj`` that ignores comments, docstrings and layout.
+
+    Raises ``LookupError`` when the object has no retrievable source (a C
+    function, a wrapper object, code built at runtime) or its file cannot be
+    read or parsed any more: unknown code is never patched, and never a crash.
+    """
+    import inspect
+
+    if hasattr(obj, "__wrapped__"):
+        # Someone (maybe another patcher) already wrapped it: what we would
+        # replace is not the released function.
+        raise LookupError("it is wrapped by %s, not the released function" % type(obj).__name__)
+    try:
+        source = inspect.getsource(obj)
+    except (OSError, TypeError) as exc:
+        raise LookupError("its source is not available (%s)" % exc) from None
+    except Exception as exc:  # tokenize / indentation errors: the file changed on disk since the import
+        raise LookupError("its source cannot be read (%s: %s)" % (type(exc).__name__, exc)) from None
+    try:
+        return fingerprint_source(source)
+    except (SyntaxError, ValueError) as exc:  # a fragment inspect cut badly, a file edited on disk
+        raise LookupError("its source does not parse (%s)" % exc) from None
+
+
+def fingerprint_source(source, name=None):
+    """Fingerprint of Python source text (of the definition ``name`` if given).
+
+    ``name`` is a top-level def or class (``apply_fsdp2``) or a def inside a
+    top-level class (``FSDP2Engine.prepare_model``); ``LookupError`` if absent.
+
+    The source is parsed, docstrings are dropped and the tree is printed back
+    with ``ast.unparse``: the hash is stable across formatting, comments and
+    Python versions, and changes whenever the code does.  This is how the
+    fingerprints in ``fsdp2_compat.integrations`` are computed from released
+    files (``fsdp2-compat fingerprint FILE FUNCTION``).
+    """
+    import ast
+    import hashlib
+    import textwrap
+
+    defs_types = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+    tree = ast.parse(textwrap.dedent(source))
+    if name is not None:
+        # "f" is a top-level def; "Class.method" a def inside a top-level class.
+        scope, node = tree, None
+        for part in name.split("."):
+            defs = [n for n in getattr(scope, "body", ()) if isinstance(n, defs_types) and n.name == part]
+            if not defs:
+                raise LookupError("no definition named %r (looking for %r)" % (part, name))
+            scope = node = defs[-1]
+        tree = ast.Module(body=[node], type_ignores=[])
+    for node in ast.walk(tree):
+        if isinstance(node, defs_types + (ast.Module,)):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant):
+                if isinstance(body[0].value.value, str):
+                    node.body = body[1:] or [ast.Pass()]
+    return hashlib.sha256(ast.unparse(tree).encode()).hexdigest()[:16]

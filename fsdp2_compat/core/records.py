@@ -1,0 +1,112 @@
+"""The two declarative records everything else is built from.
+
+An ``Integration`` says where one upstream framework keeps what we patch.
+A ``Target`` is one seam in one upstream release range: "in distribution D,
+versions V, module M, the object ``M.attr`` is the code whose fingerprint we
+know; install what ``seam`` returns".  A ``Patch`` is what users name
+(``glm4v``, ``qwen3vl``): a family-level bundle of targets, and the
+transformers ``model_type`` values it is for.  Several patches may share a
+target; it is applied once and reverted when no active patch needs it.
+
+Supporting a new upstream release is a change to a ``Target``: widen
+``versions`` and, if the released function changed, add its fingerprint.
+
+Stdlib only: these records are imported at ``import fsdp2_compat.auto``.
+"""
+
+
+class Target:
+    """One replaceable object in one upstream distribution.
+
+    dist          distribution name as pip knows it (``verl``, ``skyrl-train``)
+    module        module holding the object (``verl.utils.fsdp_utils``)
+    attr          the object replaced, and the one whose code is fingerprinted:
+                  a module global (``apply_fsdp2``) or a method of a module-level
+                  class (``FSDP2Engine.prepare_model``)
+    versions      PEP 440 specifier string the seam was verified on
+    fingerprints  {release label: source fingerprint of ``module.attr``}
+                  (see ``fsdp2_compat.core.guards.fingerprint``)
+    seam          ``"pkg.mod:function"``; ``function(module, attr)`` returns
+                  ``{attr: replacement, ...}`` for every attribute it swaps
+                  (names as ``attr`` is spelled: module globals, or
+                  ``Class.method`` on the same class)
+    fixed_in      specifier of releases that carry the fix (patch not needed)
+    diff          stem of the equivalent source diff: the file for release X is
+                  ``patches/<dist>/<X>/<diff>.diff`` in the repository
+    """
+
+    __slots__ = ("dist", "module", "attr", "versions", "fingerprints", "seam", "fixed_in", "diff", "what")
+
+    def __init__(self, dist, module, attr, versions, fingerprints, seam, what, fixed_in=None, diff=None):
+        self.dist = dist
+        self.module = module
+        self.attr = attr
+        self.versions = versions
+        self.fingerprints = dict(fingerprints)
+        self.seam = seam
+        self.what = what
+        self.fixed_in = fixed_in
+        self.diff = diff
+
+    @property
+    def key(self):
+        return "%s:%s.%s" % (self.dist, self.module, self.attr)
+
+    def __repr__(self):
+        return "Target(%s %s)" % (self.key, self.versions)
+
+
+class Patch:
+    """A user-facing patch name and the targets it needs.
+
+    name         what users write in FSDP2_COMPAT_PATCHES
+    summary      one line: the symptom it fixes
+    model_types  ``{transformers model_type: display name}`` of the model
+                 families it is for, in the order users read them; the one
+                 map from a model to its patch (check, audit, tests, README)
+    targets      tuple of ``Target``
+    references   upstream issues / PRs
+    delete_when  when this patch can be removed
+    note         optional: what ``model_types`` does not say (e.g. "and any
+                 other text-only model verl serves through dense_common")
+    """
+
+    __slots__ = ("name", "summary", "model_types", "targets", "references", "delete_when", "note")
+
+    def __init__(self, name, summary, model_types, targets, references, delete_when, note=""):
+        self.name = name
+        self.summary = summary
+        self.model_types = dict(model_types)
+        self.targets = tuple(targets)
+        self.references = tuple(references)
+        self.delete_when = delete_when
+        self.note = note
+
+    @property
+    def families(self):
+        """Display names of the model families, e.g. ``("GLM-4.1V (glm4v)", ...)``."""
+        return tuple("%s (%s)" % (label, mt) for mt, label in self.model_types.items())
+
+    def __repr__(self):
+        return "Patch(%r, %d targets)" % (self.name, len(self.targets))
+
+
+class Integration:
+    """One upstream framework distribution, as the tooling and the tests need to find it.
+
+    dist         distribution name as pip knows it (``skyrl-train``)
+    package      its top-level import package (``skyrl_train``), for reading wheels
+    wrap_module  the module whose ``apply_fsdp2`` wraps a model for FSDP2
+    callers      modules that import ``apply_fsdp2`` by name (aliases the engine rebinds)
+    """
+
+    __slots__ = ("dist", "package", "wrap_module", "callers")
+
+    def __init__(self, dist, package, wrap_module, callers=()):
+        self.dist = dist
+        self.package = package
+        self.wrap_module = wrap_module
+        self.callers = tuple(callers)
+
+    def __repr__(self):
+        return "Integration(%s)" % self.dist

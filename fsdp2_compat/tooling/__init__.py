@@ -1,0 +1,12 @@
+"""The tooling beside the runtime: ``fsdp2-compat check`` and ``audit``, and the harness they run.
+
+- ``check``       each covered bug unpatched and patched, on the installed stack
+- ``audit/``      raw reads across FSDP2 units, found in one CPU forward
+- ``tiny/``       download-free tiny models of every family, and their batches
+- ``ranks``       N CPU gloo ranks in forkserver processes
+- ``scenarios``   training on real FSDP2 against an unsharded data-parallel reference
+- ``verl_batches`` / ``glm4v_bridge``  inputs shaped as verl feeds them
+
+Nothing here is imported by ``import fsdp2_compat`` or at start-up; torch and
+transformers are imported when a function runs.
+"""

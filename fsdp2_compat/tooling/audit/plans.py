@@ -1,0 +1,172 @@
+"""Wrap plans: which modules get their own FSDP2 unit under each framework's rule.
+
+``plan_modules(model, plan)`` computes the units of ``verl`` (what the installed
+release selects, unpatched), ``skyrl``, ``fixed`` (fsdp2-compat's rule),
+``fixed-verl``, ``hyperparallel`` or an explicit list of module names.
+"""
+
+from .findings import AuditInputError
+
+PLANS = ("verl", "skyrl", "fixed", "fixed-verl", "hyperparallel")
+SWEEP_PLANS = ("verl", "skyrl", "fixed", "hyperparallel")
+
+
+def layer_classes_of(model):
+    """``model._no_split_modules`` as a sorted list (a set in transformers 5.x, a list in 4.x)."""
+    return sorted(n for n in (getattr(model, "_no_split_modules", None) or ()) if n)
+
+
+def module_names(model):
+    return {id(m): name for name, m in model.named_modules()}
+
+
+def _unwrapped(fn):
+    """The upstream function under any wrapt wrapper (fsdp2-compat's seams are wrapt wrappers)."""
+    seen = 0
+    # wrapt's C and Python proxies share the base class name ObjectProxy (wrapt 1.x and 2.x).
+    while seen < 8 and hasattr(fn, "__wrapped__") and any(c.__name__ == "ObjectProxy" for c in type(fn).__mro__):
+        fn = fn.__wrapped__
+        seen += 1
+    return fn
+
+
+def _verl_selection(model, layer_classes):
+    """What the installed verl's ``apply_fsdp2`` selects, unpatched: (modules, description)."""
+    from fsdp2_compat.core import guards
+
+    version = guards.installed_version("verl")
+    if version is None:
+        raise AuditInputError("plan 'verl' needs verl installed (it computes what the installed release selects)")
+    fn = None
+    if guards.in_range(version, ">=0.7.1"):
+        from verl.utils import fsdp_utils
+
+        fn = fsdp_utils.__dict__.get("_select_fsdp2_wrap_targets")
+    if fn is not None:
+        # verl 0.8.0+ turns a set into a list before the call; 0.7.1 passes the list.
+        return list(_unwrapped(fn)(model, list(layer_classes))), "verl %s _select_fsdp2_wrap_targets" % version
+    import torch.nn as nn
+
+    # verl 0.4.0-0.7.0: the inline loop of apply_fsdp2, reproduced.
+    tie = model.config.tie_word_embeddings
+    chosen = [
+        m for _, m in model.named_modules()
+        if type(m).__name__ in layer_classes or (isinstance(m, nn.Embedding) and not tie)
+    ]
+    return chosen, "verl %s inline apply_fsdp2 rule" % version
+
+
+def _skyrl_selection(model, layer_classes):
+    """SkyRL / skyrl-train (every release): layer classes, plus every nn.Embedding when untied by config."""
+    import torch.nn as nn
+
+    tie = model.config.tie_word_embeddings  # upstream reads it without a default
+    return [
+        m for _, m in model.named_modules()
+        if type(m).__name__ in layer_classes or (isinstance(m, nn.Embedding) and not tie)
+    ]
+
+
+def _hyperparallel_selection(model):
+    """HyperParallel ``FSDP2Manager._find_transformer_block_modules``: every grandchild of a
+    module that has a ``gradient_checkpointing`` attribute (a module already picked is not
+    searched as a container again).  HyperParallel names a block ``<child>.<index>``; the
+    real module names are returned here."""
+    chosen, picked = [], set()
+    for _, container in model.named_modules():
+        if id(container) in picked or not hasattr(container, "gradient_checkpointing"):
+            continue
+        for _, child in container.named_children():
+            for _, block in child.named_children():
+                if id(block) not in picked:
+                    picked.add(id(block))
+                    chosen.append(block)
+    return chosen
+
+
+def plan_modules(model, plan, layer_classes=None):
+    """Names of the modules that get their own FSDP unit under ``plan`` (root excluded).
+
+    ``plan``: ``verl`` (what the installed verl selects: its real
+    ``_select_fsdp2_wrap_targets`` on 0.7.1+, the inline rule of 0.4.0-0.7.0
+    otherwise), ``skyrl``, ``fixed`` (``select_wrap_targets``),
+    ``fixed-verl`` (``select_verl``: the fix plus verl's by-name
+    ``embed_tokens`` / ``lm_head`` units), ``hyperparallel``, or a list /
+    comma-separated string of module names.  The upstream plans are computed
+    from the unpatched upstream functions even while fsdp2-compat patches
+    are applied.  ``layer_classes`` defaults to ``model._no_split_modules``.
+    Order is the order the framework calls ``fully_shard`` in.
+    """
+    if layer_classes is None:
+        layer_classes = layer_classes_of(model)
+    elif isinstance(layer_classes, str):
+        layer_classes = [c for c in layer_classes.split(",") if c]
+    layer_classes = list(layer_classes)
+    names = module_names(model)
+    if isinstance(plan, (list, tuple)) or (isinstance(plan, str) and plan not in PLANS):
+        return _explicit_plan(model, plan, names)
+    if plan == "verl":
+        modules, _ = _verl_selection(model, layer_classes)
+    elif plan == "skyrl":
+        modules = _skyrl_selection(model, layer_classes)
+    elif plan == "fixed":
+        from fsdp2_compat.fixes.selection import select_wrap_targets
+
+        modules = select_wrap_targets(model, layer_classes)
+    elif plan == "fixed-verl":
+        from fsdp2_compat.integrations.verl import select_verl
+
+        modules = select_verl(model, layer_classes)
+    else:
+        # HyperParallel shards the deepest blocks first (stable sort by depth).
+        modules = _hyperparallel_selection(model)
+        depth = {id(m): names.get(id(m), "").count(".") for m in modules}
+        modules = sorted(modules, key=lambda m: -depth[id(m)])
+    out = []
+    for m in modules:
+        name = names.get(id(m))
+        if name and name not in out:  # the root is never its own child unit
+            out.append(name)
+    return out
+
+
+def describe_plan(plan):
+    """One line on where a plan comes from (for the report)."""
+    from fsdp2_compat.core import guards
+
+    if plan == "verl":
+        version = guards.installed_version("verl")
+        if version is None:
+            return "verl (not installed)"
+        if guards.in_range(version, ">=0.7.1"):
+            return "verl %s: verl.utils.fsdp_utils._select_fsdp2_wrap_targets (unpatched)" % version
+        return "verl %s: inline rule of apply_fsdp2 (layer classes or untied nn.Embedding)" % version
+    return {
+        "skyrl": "SkyRL: layer classes, plus every nn.Embedding when config.tie_word_embeddings is false",
+        "fixed": "fsdp2-compat fixed: layer classes, plus the input embedding when untied (by identity)",
+        "fixed-verl": "fsdp2-compat fixed, verl flavour: fixed plus embed_tokens / lm_head by name when untied",
+        "hyperparallel": "HyperParallel FSDP2Manager: every grandchild of a module with gradient_checkpointing",
+    }.get(plan, "explicit list")
+
+
+def _explicit_plan(model, plan, names):
+    import difflib
+
+    wanted = [n.strip() for n in (plan.split(",") if isinstance(plan, str) else plan)]
+    wanted = [n for n in wanted if n and n != "<root>"]
+    valid = set(names.values())
+    bad = [n for n in wanted if n not in valid]
+    if bad:
+        hints = []
+        for n in bad:
+            close = difflib.get_close_matches(n, sorted(valid), n=3)
+            hints.append("%r%s" % (n, " (did you mean %s?)" % ", ".join(close) if close else ""))
+        raise AuditInputError(
+            "plan names no module of this model: %s; valid plans are %s or comma-separated module names "
+            "from model.named_modules()" % ("; ".join(hints), ", ".join(PLANS))
+        )
+    out = []
+    for n in wanted:
+        if n not in out:
+            out.append(n)
+    return out

@@ -1,0 +1,141 @@
+"""Reports: one audit as a dict and a table, and the sweep over families x plans."""
+
+import contextlib
+
+from fsdp2_compat.tooling.verl_batches import add_verl_position_ids
+
+from .findings import AuditInputError, Finding
+from .ownership import plan_problems
+from .plans import PLANS, SWEEP_PLANS, describe_plan, layer_classes_of, plan_modules
+from .tracker import audit
+
+
+def _versions():
+    from fsdp2_compat.core import guards
+
+    return {d: guards.installed_version(d) for d in ("torch", "transformers", "verl")}
+
+
+def report(model, batch, plan, label, fused=False, layer_classes=None, notes=()):
+    """Plan, audit and collect everything the CLI prints, as a dict (JSON-ready).
+
+    ``notes``: ``Finding`` records about the inputs; plan problems and notes
+    appear in the dict as ``Finding.as_dict()``.
+    """
+    units = plan_modules(model, plan, layer_classes)
+    plan_name = plan if isinstance(plan, str) and plan in PLANS else "explicit"
+    if fused:
+        batch = {k: v for k, v in batch.items() if k != "labels"}
+        batch["return_dict"] = True
+        add_verl_position_ids(model, batch)
+    adapt = contextlib.nullcontext()
+    notes = list(notes)
+    if fused and getattr(type(model).__dict__.get("forward"), "__module__", "") == "verl.models.transformers.glm4v":
+        from fsdp2_compat.tooling import glm4v_bridge
+
+        need = glm4v_bridge.needed()
+        if need is not None:
+            adapt = glm4v_bridge.bridge()
+            notes.append(Finding(
+                "adapted",
+                "verl's GLM4V forward does not run on this transformers (%s; an upstream verl bug, not FSDP2): "
+                "audited with transformers adapted by fsdp2_compat.tooling.glm4v_bridge" % need))
+    try:
+        with adapt:
+            hazards = audit(model, batch, units, plan=plan_name)
+    except AuditInputError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        raise AuditInputError("the tiny forward of %s failed (%s: %s)" % (label, type(exc).__name__,
+                                                                           str(exc).splitlines()[0] if str(exc) else ""))
+    if plan == "verl" and not layer_classes_of(model) and layer_classes is None:
+        notes.append(Finding(
+            "empty-layer-classes",
+            "model._no_split_modules is empty: verl's apply_fsdp2 asserts a non-empty layer class list "
+            "(set wrap_policy.transformer_layer_cls_to_wrap, or --layer-classes here)",
+            "empty _no_split_modules: verl's apply_fsdp2 asserts"))
+    return {
+        "model": label,
+        "model_class": type(model).__name__,
+        "model_type": getattr(model.config, "model_type", None),
+        "plan": plan_name if plan_name != "explicit" else ",".join(units),
+        "plan_source": describe_plan(plan_name),
+        "fused": bool(fused),
+        "units": units,
+        "plan_problems": [f.as_dict() for f in plan_problems(model, units)],
+        "hazards": [h.as_dict() for h in hazards],
+        "notes": [f.as_dict() for f in notes],
+        "versions": _versions(),
+    }
+
+
+def format_report(rep):
+    lines = [
+        "model: %s (%s)  %s" % (rep["model"], rep["model_class"],
+                                " ".join("%s %s" % (k, v) for k, v in rep["versions"].items() if v)),
+        "plan: %s - %s%s" % (rep["plan"], rep["plan_source"], "  [verl fused forward]" if rep["fused"] else ""),
+        "units (%d + root): %s" % (len(rep["units"]), ", ".join(rep["units"]) or "none"),
+    ]
+    for p in rep["plan_problems"]:
+        lines.append("plan problem: " + p["message"])
+    for n in rep["notes"]:
+        lines.append("note: " + n["message"])
+    hz = rep["hazards"]
+    if not hz:
+        lines.append("no hazards: every parameter is read while its unit's forward runs")
+        return "\n".join(lines)
+    rows = [("PARAMETER", "OWNER UNIT", "READ BY", "OP", "PATCH")]
+    for h in hz:
+        rows.append((h["param"], h["owner"] or "<root>", "%s (%s)" % (h["reader"] or "<root>", h["reader_class"]),
+                     h["op"] + ("" if h["mixed"] else " (no mix seen)"), h["patch"] or "-"))
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    lines.append("%d hazard(s): sharded parameters read outside their unit's forward" % len(hz))
+    for r in rows:
+        lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    for h in hz:
+        lines.append("- %s: %s" % (h["param"], h["advice"]))
+    return "\n".join(lines)
+
+
+def sweep(families=None, plans=SWEEP_PLANS):
+    """Audit tiny families x plans (unfused); rows of dicts for ``format_sweep``."""
+    from fsdp2_compat.core import guards
+    from fsdp2_compat.tooling import tiny as tiny_models
+
+    if families is None:
+        families = [f for f in tiny_models.FAMILIES if f not in ("qwen2", "llama")]
+    rows = []
+    for family in families:
+        ok = tiny_models.available(family)
+        if ok is not True:
+            rows.append({"family": family, "plan": "-", "skipped": str(ok)})
+            continue
+        model = tiny_models.build(family)
+        batch = tiny_models.make_batch(family, model, seed=0)
+        for plan in plans:
+            if plan == "verl" and guards.installed_version("verl") is None:
+                rows.append({"family": family, "plan": plan, "skipped": "verl not installed"})
+                continue
+            rep = report(model, batch, plan, family)
+            rows.append({"family": family, "plan": plan, "units": len(rep["units"]),
+                         "hazards": rep["hazards"], "plan_problems": rep["plan_problems"], "notes": rep["notes"]})
+    return rows
+
+
+def format_sweep(rows, markdown=False):
+    head = ("family", "plan", "units", "hazards (parameter <- reader, op)", "covering patch", "plan problems")
+    body = []
+    for r in rows:
+        if "skipped" in r:
+            body.append((r["family"], r["plan"], "-", "skipped: " + r["skipped"], "-", "-"))
+            continue
+        hz = "; ".join("%s <- %s, %s" % (h["param"], h["reader_class"], h["op"]) for h in r["hazards"]) or "none"
+        patches = "; ".join(h["patch"] or "none (gap)" for h in r["hazards"]) or "-"
+        problems = "; ".join(f["short"] for f in list(r["plan_problems"]) + list(r.get("notes", ()))) or "-"
+        body.append((r["family"], r["plan"], str(r["units"]), hz, patches, problems))
+    if markdown:
+        out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        out += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in body]
+        return "\n".join(out)
+    widths = [max(len(x[i]) for x in [head] + body) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [head] + body)

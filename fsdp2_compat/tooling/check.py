@@ -1,0 +1,290 @@
+"""``fsdp2-compat check``: run the bug and the fix on this machine's real stack.
+
+For every installed framework release and every model family a patch
+covers (the catalogue's ``model_types``, where the tiny harness has that
+family), build a tiny model from its config (no downloads), wrap it with the
+framework's own ``apply_fsdp2`` on a one-rank CPU gloo group, and run a
+training step twice: unpatched, then with the family's patch.  Each row says
+what upstream does (the exact error, or "ok"), what the patched run does,
+whether its loss matches an unsharded reference, and the patch that fixes
+it.  verl's fused-kernel forwards are checked the same way through verl's
+own monkey patch, for every family whose patch carries a fused-forward
+target.
+
+One rank cannot show the gradient-averaging bug (it needs different data on
+two ranks): a fused case whose unpatched run is "ok" while ``lm_head`` has
+an FSDP unit of its own is run again on two gloo ranks (separate processes),
+where "fixed" means the lm_head gradient matches the data-parallel average.
+
+What upstream prints while a case runs (verl announces its monkey patches)
+is captured per case: shown with ``--verbose`` or when the case is not
+fixed, and always in ``--json``.  Exit status 1 when a patch that applied
+does not fix its case; 0 otherwise.
+"""
+
+import contextlib
+import io
+import json
+import sys
+import time
+
+TOL = 1e-5
+VERL_FUSED_PREFIX = "verl.models.transformers."
+
+
+def _short(error):
+    return "ok" if error is None else error
+
+
+def _captured(fn, *args, **kwargs):
+    """``fn(...)`` with Python-level stdout/stderr captured; returns (result, text)."""
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+        result = fn(*args, **kwargs)
+    return result, buf.getvalue()
+
+
+def _run(fn, *args, **kwargs):
+    """Run one scenario in this process, then undo every patch it requested."""
+    import fsdp2_compat
+
+    from .scenarios import first_line
+
+    try:
+        result, output = _captured(fn, 0, 1, *args, **kwargs)
+    except Exception as exc:  # the scenario itself broke: report, do not die
+        result, output = {"error": "%s: %s" % (type(exc).__name__, first_line(exc)), "loss_err": None}, ""
+    finally:
+        fsdp2_compat.revert()
+    result["output"] = output
+    return result
+
+
+def quiet_train_fused(rank, world, *args, **kwargs):
+    """``train_fused`` in a rank process, its prints captured into ``result["output"]``."""
+    from .scenarios import train_fused
+
+    result, output = _captured(train_fused, rank, world, *args, **kwargs)
+    result["output"] = output
+    return result
+
+
+def _two_ranks(family, patch):
+    """``train_fused`` on 2 gloo ranks (separate processes) with different data per rank."""
+    from .ranks import run_ranks
+    from .scenarios import first_line
+
+    try:
+        results = run_ranks(quiet_train_fused, 2, family, patch, kwargs={"steps": 1})
+    except Exception as exc:  # the scenario itself broke: report, do not die
+        return {"error": "%s: %s" % (type(exc).__name__, first_line(exc)), "loss_err": None, "output": ""}
+    errors = [r for r in results if r["error"] is not None]
+    if errors:
+        return errors[0]
+    worst = max(results, key=lambda r: r["grad_err"])
+    out = dict(worst)
+    if worst["grad_err"] >= TOL:
+        # Runs, but wrong: report it where a crash would go, with the measured size.
+        out["error"] = "runs, but the %s gradient misses the data-parallel average by %.2g" % (
+            worst["worst_grad"], worst["grad_err"])
+    return out
+
+
+def _row(framework, version, family, patch, kind, unpatched, patched):
+    fixed = patched.get("error") is None and patched.get("loss_err") is not None and patched["loss_err"] < TOL
+    return {
+        "framework": framework,
+        "version": version,
+        "family": family,
+        "kind": kind,
+        "unpatched": _short(unpatched.get("error")),
+        "patched": _short(patched.get("error")),
+        "loss_match": None if patched.get("loss_err") is None else patched["loss_err"] < TOL,
+        "loss_err": patched.get("loss_err"),
+        "patch": patch,
+        "fixed": fixed,
+        "output": {"unpatched": unpatched.get("output", ""), "patched": patched.get("output", "")},
+    }
+
+
+def selection_cases(families=None):
+    """``[(family, patch)]``: model types whose patch corrects the wrap selection, that the tiny harness has."""
+    from fsdp2_compat import registry
+
+    from . import tiny
+
+    return [(mt, name) for mt, name in registry.selection_model_types().items()
+            if (families is None or mt in families) and mt in tiny.FAMILIES and tiny.wrappable(mt) is True]
+
+
+def fused_cases(families=None):
+    """``[(family, patch)]``: model types whose patch carries a verl fused-forward target, in the tiny harness.
+
+    GLM-4.1V gets verl's own glm4v forward, which runs for users only where
+    transformers needs no adapting (``glm4v_bridge.needed()``): only there.
+    """
+    from fsdp2_compat import registry
+
+    from . import glm4v_bridge, tiny
+
+    out = []
+    for p in registry.PATCHES:
+        if not any(t.dist == "verl" and t.module.startswith(VERL_FUSED_PREFIX) for t in p.targets):
+            continue
+        for mt in p.model_types:
+            if families is not None and mt not in families:
+                continue
+            if mt not in tiny.FAMILIES or tiny.wrappable(mt) is not True:
+                continue
+            if mt == "glm4v" and glm4v_bridge.needed() is not None:
+                continue
+            out.append((mt, p.name))
+    return out
+
+
+def run_checks(families=None, frameworks=None, progress=None):
+    """Return the result rows; ``progress(message)`` is called before each case."""
+    import datetime
+    import logging
+    import warnings
+
+    # A one-rank mesh makes torch warn about sequential all-gathers: noise here.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+
+    import torch
+    import torch.distributed as dist
+
+    from fsdp2_compat import integrations
+    from fsdp2_compat.core import guards
+
+    from . import scenarios
+
+    torch.manual_seed(0)
+    owns_group = not dist.is_initialized()
+    if owns_group:
+        dist.init_process_group(
+            "gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=datetime.timedelta(seconds=60)
+        )
+    cases, rows = [], []
+    for integration in integrations.INTEGRATIONS:
+        framework = integration.dist
+        if frameworks is not None and framework not in frameworks:
+            continue
+        version = guards.installed_version(framework)
+        if version is None:
+            continue
+        try:
+            scenarios.import_fsdp_utils(framework)
+        except Exception as exc:  # installed but not importable here: say so once
+            rows.append({
+                "framework": framework, "version": version, "family": "-", "kind": "selection",
+                "unpatched": "cannot import %s: %s: %s" % (integration.wrap_module, type(exc).__name__, exc),
+                "patched": "-", "loss_match": None, "loss_err": None, "patch": "-", "fixed": None,
+                "output": {"unpatched": "", "patched": ""},
+            })
+            continue
+        cases += [(framework, version, family, patch, "selection") for family, patch in selection_cases(families)]
+    verl = guards.installed_version("verl")
+    if verl and guards.in_range(verl, ">=0.6.0") and (frameworks is None or "verl" in frameworks):
+        # Last: verl's monkey patch rewrites model classes for the whole process.
+        cases += [("verl", verl, family, patch, "fused forward") for family, patch in fused_cases(families)]
+    saved_filters = warnings.filters[:]
+    try:
+        warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
+        warnings.filterwarnings("ignore", message="Converting a tensor with requires_grad=True to a scalar.*")
+        i = 0
+        while i < len(cases):
+            framework, version, family, patch, kind = cases[i]
+            i += 1
+            if progress:
+                progress("[%d/%d] %s %s: %s (%s)" % (i, len(cases), framework, version, family, kind))
+            if kind == "selection":
+                unpatched = _run(scenarios.train, framework, family, None, steps=1)
+                patched = _run(scenarios.train, framework, family, patch, steps=1)
+            elif kind == "fused forward":
+                unpatched = _run(scenarios.train_fused, family, None, steps=1)
+                patched = _run(scenarios.train_fused, family, patch, steps=1)
+                if unpatched.get("error") is None and "lm_head" in (unpatched.get("wrapped") or ()):
+                    # Runs on one rank with lm_head sharded apart: only two ranks can tell.
+                    cases.append((framework, version, family, patch, "fused, 2 ranks"))
+            else:
+                unpatched = _two_ranks(family, None)
+                patched = _two_ranks(family, patch)
+            rows.append(_row(framework, version, family, patch, kind, unpatched, patched))
+    finally:
+        warnings.filters[:] = saved_filters
+        if owns_group:
+            dist.destroy_process_group()
+    return rows
+
+
+COLUMNS = ("framework", "family", "kind", "patch", "loss_match", "patched", "unpatched")
+_WRAPPED = {"patched": 24}  # free-text columns before the last: wrap at this width
+_LAST_MIN = 24
+
+
+def format_rows(rows, width=None):
+    """The table, every cell in full: the free-text cells wrap at word boundaries, the last one to ``width``
+    (but never narrower than ``_LAST_MIN`` characters)."""
+    import shutil
+    import textwrap
+
+    width = width or max(100, shutil.get_terminal_size((120, 24)).columns)
+    display = []
+    for r in rows:
+        d = {c: str(r.get(c, "")) for c in COLUMNS}
+        d["framework"] = "%s %s" % (r["framework"], r["version"])
+        d["loss_match"] = "-" if r["loss_err"] is None else ("yes" if r["loss_match"] else "NO") + " (%.1e)" % r["loss_err"]
+        display.append(d)
+    header = {c: c.upper() for c in COLUMNS}
+    widths = {c: min(_WRAPPED.get(c, 10**6), max(len(d[c]) for d in display + [header])) for c in COLUMNS[:-1]}
+    widths[COLUMNS[-1]] = max(_LAST_MIN, width - sum(widths.values()) - 2 * (len(COLUMNS) - 1))
+    lines = []
+    for d in [header] + display:
+        cells = {c: textwrap.wrap(d[c], widths[c], break_long_words=False, break_on_hyphens=False) or [""]
+                 for c in COLUMNS}
+        for k in range(max(len(v) for v in cells.values())):
+            parts = [(cells[c][k] if k < len(cells[c]) else "").ljust(widths[c]) for c in COLUMNS]
+            lines.append("  ".join(parts).rstrip())
+    return "\n".join(lines)
+
+
+def _print_outputs(row):
+    for side in ("unpatched", "patched"):
+        text = row["output"][side].rstrip()
+        if text:
+            print("  [%s %s %s, %s] upstream printed:" % (row["framework"], row["family"], row["kind"], side))
+            print("\n".join("    " + line for line in text.splitlines()))
+
+
+def main(args):
+    start = time.time()
+
+    def progress(message):
+        print(message, file=sys.stderr, flush=True)
+
+    families = set(args.families.split(",")) if args.families else None
+    rows = run_checks(families=families, progress=None if args.json else progress)
+    failed = [r for r in rows if r["fixed"] is False]
+    if args.json:
+        json.dump({"rows": rows, "failed": len(failed), "seconds": round(time.time() - start, 1)}, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 1 if failed else 0
+    if not rows:
+        from fsdp2_compat import integrations
+
+        print("nothing to check: none of %s is installed" % ", ".join(integrations.dists()))
+        return 0
+    print(format_rows(rows))
+    skipped = sum(r["fixed"] is None for r in rows)
+    print("%d cases, %d not fixed, %d frameworks not importable, %.1f s" % (
+        len(rows) - skipped, len(failed), skipped, time.time() - start))
+    if any(r["kind"] == "fused, 2 ranks" for r in rows):
+        print("note: 'fused, 2 ranks' rows train on two gloo ranks with different data and compare the "
+              "lm_head gradient with the data-parallel average; one rank cannot show that bug.")
+    shown = [r for r in rows if getattr(args, "verbose", False) or r["fixed"] is False]
+    if shown:
+        print()
+        for r in shown:
+            _print_outputs(r)
+    return 1 if failed else 0

@@ -1,0 +1,352 @@
+"""Training scenarios on real FSDP2, through each framework's own ``apply_fsdp2``.
+
+``train(rank, world, framework, family, patches, ...)`` builds a tiny model,
+keeps an unsharded deep copy as the reference, shards the model with the
+framework's real ``apply_fsdp2`` and runs optimizer steps where every rank
+gets *different* data.  The reference trains on the mean of all ranks'
+losses, i.e. the data-parallel average gradient, so a rank that only sees its
+own gradient (the ``full_tensor()`` trap) cannot match it.
+
+``train_against_reference`` is that loop, shared by ``train`` (each
+framework's ``apply_fsdp2``), ``train_fused`` (verl's fused-kernel forwards)
+and the test-suite's own scenarios (``tests/support``).
+
+The result is a plain dict (picklable across ranks): the wrapped module names,
+the first error message if the forward or backward raised, per-step losses
+and the worst errors (``max |a - b| / (1 + |b|)``) of loss, gradients and
+parameters against the reference.
+"""
+
+import contextlib
+import importlib
+import importlib.machinery
+import sys
+import warnings
+
+
+def import_fsdp_utils(framework):
+    """Import the framework's real ``fsdp_utils`` module.
+
+    skyrl 0.2.0+ cannot ``import skyrl.backends`` on Python < 3.12 (its
+    ``__init__`` pulls a pydantic model that needs 3.12's TypedDict), although
+    ``fsdp_utils`` itself does not need that package ``__init__``.  There, and
+    only there, the package is registered without running its ``__init__``;
+    the module under test is still the released file, executed unchanged.
+    """
+    from fsdp2_compat import integrations
+
+    name = integrations.get(framework).wrap_module
+    if framework == "skyrl":
+        ensure_skyrl_backends_package()
+    return importlib.import_module(name)
+
+
+def ensure_skyrl_backends_package():
+    """Make ``skyrl.backends`` importable on Python < 3.12 (see ``import_fsdp_utils``)."""
+    import os
+    import types
+
+    if "skyrl.backends" in sys.modules:
+        return
+    try:
+        importlib.import_module("skyrl.backends")
+        return
+    except Exception as exc:  # pydantic.errors.PydanticUserError
+        if getattr(exc, "code", None) != "typed-dict-version":
+            raise
+    # Drop what the failed import left half-initialised.
+    for mod in [m for m in sys.modules if m == "skyrl.tinker.types" or m.startswith("skyrl.backends")]:
+        del sys.modules[mod]
+    import skyrl
+
+    path = os.path.join(os.path.dirname(skyrl.__file__), "backends")
+    pkg = types.ModuleType("skyrl.backends", "skyrl.backends, __init__ skipped (Python < 3.12)")
+    pkg.__path__ = [path]
+    pkg.__package__ = "skyrl.backends"
+    pkg.__file__ = os.path.join(path, "__init__.py")
+    spec = importlib.machinery.ModuleSpec("skyrl.backends", None, is_package=True)
+    spec.submodule_search_locations = [path]
+    pkg.__spec__ = spec
+    sys.modules["skyrl.backends"] = pkg
+    skyrl.backends = pkg
+
+
+def first_line(exc):
+    """The first line of an exception's message (the part a table can show)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else repr(exc)
+
+
+def wrapped_module_names(model):
+    from torch.distributed.fsdp import FSDPModule
+
+    return sorted(name or "<root>" for name, m in model.named_modules() if isinstance(m, FSDPModule))
+
+
+def rel_err(actual, expected):
+    """max |a - b| / (1 + |b|): below ``tol`` means ``allclose(atol=tol, rtol=tol)``.
+
+    A pure relative error is meaningless for gradients that are zero up to
+    rounding (e.g. attention key biases, which softmax ignores).
+    """
+    if actual is None or expected is None:
+        return 0.0 if actual is None and expected is None else float("inf")
+    actual = actual.detach().float()
+    expected = expected.detach().float()
+    if not actual.numel():
+        return 0.0
+    return float(((actual - expected).abs() / (1 + expected.abs())).max())
+
+
+def full_value(t):
+    """``t`` as a plain full tensor (a sharded DTensor is gathered; ``None`` stays ``None``)."""
+    from torch.distributed.tensor import DTensor
+
+    if t is None:
+        return None
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _step(*optimizers):
+    for optimizer in optimizers:
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def train_against_reference(model, reference, rank, world, result, batches_for, loss_of, steps=2, lr=0.05,
+                            compare=None):
+    """SGD steps on this rank's batch (``model``) and on the mean of every rank's (``reference``).
+
+    ``batches_for(step)`` gives one batch per rank (different data); ``loss_of(module,
+    batch)`` returns ``(loss, output)``.  After each step the worst loss and
+    gradient errors are folded into ``result`` (``_compare_grads``), and
+    ``compare(output, reference_output)`` may fold more; at the end,
+    ``param_err``.  If the sharded forward or backward raises, ``result["error"]``
+    says which step and how, and training stops there.
+    """
+    import torch
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=lr)
+    for step in range(steps):
+        batches = batches_for(step)
+        try:
+            loss, out = loss_of(model, batches[rank])
+            loss.backward()
+        except Exception as exc:
+            result["error"] = "step %d: %s: %s" % (step, type(exc).__name__, first_line(exc))
+            return result
+        ref = [loss_of(reference, b) for b in batches]
+        (sum(loss for loss, _ in ref) / world).backward()
+        result["losses"].append(loss.item())
+        result["loss_err"] = max(result["loss_err"], rel_err(loss, ref[rank][0]))
+        if compare is not None:
+            compare(out, ref[rank][1])
+        _compare_grads(model, reference, result)
+        _step(optimizer, ref_optimizer)
+    result["param_err"] = _param_err(model, reference)
+    return result
+
+
+def _param_err(model, reference):
+    """Worst parameter error after training, sharded parameters gathered."""
+    return max((rel_err(full_value(p), q) for p, q in zip(model.parameters(), reference.parameters())), default=0.0)
+
+
+def _compare_grads(model, reference, result):
+    """Fold one step's gradients into ``result``'s worst errors, by parameter name.
+
+    Always ``grad_err`` / ``worst_grad``; also each of ``grads_checked``,
+    ``lm_head_grad_err`` and ``grad_rel_to_max`` / ``worst_rel_to_max`` that
+    ``result`` has.  ``grad_rel_to_max`` (for low-precision runs) skips
+    gradients below 1e-3 of the largest, whose relative error is noise.
+    """
+    if "grad_rel_to_max" in result:
+        ref_scale = max((float(q.grad.abs().max()) for q in reference.parameters() if q.grad is not None), default=0.0)
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        grad = full_value(p.grad)
+        err = rel_err(grad, q.grad)
+        if "grads_checked" in result:
+            result["grads_checked"] += int(q.grad is not None)
+        if name == "lm_head.weight" and "lm_head_grad_err" in result:
+            result["lm_head_grad_err"] = max(result["lm_head_grad_err"], err)
+        if err > result["grad_err"]:
+            result["grad_err"], result["worst_grad"] = err, name
+        if "grad_rel_to_max" in result and q.grad is not None and float(q.grad.abs().max()) > 1e-3 * ref_scale:
+            rel = _rel_to_max(grad, q.grad)
+            if rel > result["grad_rel_to_max"]:
+                result["grad_rel_to_max"], result["worst_rel_to_max"] = rel, name
+
+
+def train(rank, world, framework, family, patches, steps=2, tie=False, lr=0.05):
+    """One scenario on this rank; see the module docstring for the result.
+
+    ``tie``: as for ``tiny_models.build`` (False, True or ``"weights-only"``).
+    """
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import fsdp2_compat
+    from fsdp2_compat.tooling import tiny as tiny_models
+
+    if patches:
+        fsdp2_compat.apply(patches)
+    fsdp_utils = import_fsdp_utils(framework)
+
+    model = tiny_models.build(family, tie=tie, seed=0)
+    reference = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))  # named, as verl and SkyRL do
+    result = {
+        "wrapped": None,
+        "error": None,
+        "losses": [],
+        "loss_err": 0.0,
+        "grad_err": 0.0,
+        "worst_grad": None,
+        "param_err": 0.0,
+        "grads_checked": 0,
+    }
+    try:
+        fsdp_utils.apply_fsdp2(model, {"mesh": mesh}, {})
+    except Exception as exc:  # torch refuses some broken plans at wrap time
+        result["error"] = "apply_fsdp2: %s: %s" % (type(exc).__name__, first_line(exc))
+        return result
+    result["wrapped"] = wrapped_module_names(model)
+
+    def loss_of(module, batch):
+        out = module(**batch)
+        return out.loss, out
+
+    def batches_for(step):
+        return [tiny_models.make_batch(family, reference, seed=1 + step * world + r) for r in range(world)]
+
+    return train_against_reference(model, reference, rank, world, result, batches_for, loss_of, steps, lr)
+
+
+def _rel_to_max(actual, expected):
+    """max |a - b| / max |b| (for low-precision comparisons of non-negligible tensors)."""
+    actual = actual.detach().float()
+    expected = expected.detach().float()
+    return float((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-12))
+
+
+def fused_loss(out, batch):
+    """A PPO-shaped scalar from verl's fused outputs: masked log-prob mean plus entropy bonus."""
+    mask = batch["attention_mask"].to(out.log_probs.dtype)
+    return -(out.log_probs * mask).sum() / mask.sum() - 0.01 * (out.entropy * mask).sum() / mask.sum()
+
+
+def train_fused(rank, world, family, patches, steps=2, mesh_shape=None, bf16=False, lr=0.05):
+    """verl's fused-kernel path (``use_fused_kernels=True``, torch backend) on real FSDP2.
+
+    The model goes through verl's own ``apply_monkey_patch`` and
+    ``apply_fsdp2``; the reference is an unsharded copy with the same verl
+    forward, trained on the mean loss of all ranks' (different) batches.
+    ``mesh_shape=(2, 2)`` gives an HSDP mesh; ``bf16`` a bf16
+    ``MixedPrecisionPolicy`` (fp32 reduce).  The dtype and kind of the
+    ``vocab_weights`` that reach ``FusedLinearForPPO`` are recorded, as are
+    which verl forward was installed (``forward``), how often the vision
+    tower ran in the sharded forwards and fsdp2-compat's own warnings.
+    Batches carry verl's 4-row position ids where its forward takes them
+    (Qwen2-VL family, GLM4V); ``glm4v`` runs inside ``glm4v_bridge.bridge()``:
+    verl's GLM4V forward cannot run on stock transformers.
+    """
+    import copy
+
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    import fsdp2_compat
+    from fsdp2_compat.tooling import tiny as tiny_models
+
+    if patches:
+        fsdp2_compat.apply(patches)
+    from verl.models.transformers.monkey_patch import apply_monkey_patch
+    from verl.utils import fsdp_utils
+    from verl.utils.experimental import torch_functional
+
+    model = tiny_models.build(family, tie=False, seed=0)
+    apply_monkey_patch(model, use_remove_padding=False, use_fused_kernels=True, fused_kernels_backend="torch")
+    reference = copy.deepcopy(model)
+    if mesh_shape is None:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+    else:
+        mesh = init_device_mesh("cpu", tuple(mesh_shape), mesh_dim_names=("ddp", "fsdp"))
+    kwargs = {"mesh": mesh}
+    if bf16:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    fsdp_utils.apply_fsdp2(model, kwargs, {})
+
+    seen, recording = [], [False]
+    original_forward = torch_functional.FusedLinearForPPO.forward
+
+    def spy(self, hidden_states, vocab_weights, *args, **kwargs):
+        if recording[0]:  # the sharded model's calls, not the reference's
+            seen.append((type(vocab_weights).__name__, str(vocab_weights.dtype), tuple(vocab_weights.shape)))
+        return original_forward(self, hidden_states, vocab_weights, *args, **kwargs)
+
+    torch_functional.FusedLinearForPPO.forward = spy
+    from fsdp2_compat.tooling.verl_batches import add_verl_position_ids
+
+    adapt = contextlib.nullcontext()
+    if family == "glm4v":  # verl's GLM4V forward needs this on every transformers (see glm4v_bridge)
+        from fsdp2_compat.tooling import glm4v_bridge
+
+        adapt = glm4v_bridge.bridge()
+    result = {
+        "wrapped": wrapped_module_names(model),
+        "forward": type(model).forward.__module__,  # which verl fused forward apply_monkey_patch installed
+        "error": None,
+        "losses": [],
+        "logprob_err": 0.0,
+        "loss_err": 0.0,
+        "grad_err": 0.0,
+        "worst_grad": None,
+        "lm_head_grad_err": 0.0,
+        "grad_rel_to_max": 0.0,
+        "worst_rel_to_max": None,
+        "param_err": 0.0,
+        "kernel_weights": seen,
+        "vision_calls": 0,  # did the vision tower run in the sharded forward?
+        "warnings": [],  # fsdp2-compat's own warnings during the sharded forwards
+    }
+    def count_vision_call(*_):
+        if recording[0]:
+            result["vision_calls"] += 1
+
+    visual = getattr(getattr(model, "model", None), "visual", None)
+    if visual is not None:
+        visual.register_forward_hook(count_vision_call)
+
+    def batches_for(step):
+        batches = []
+        for r in range(world):
+            batch = tiny_models.make_batch(family, reference, seed=1 + step * world + r)
+            batch.pop("labels", None)
+            add_verl_position_ids(reference, batch)  # verl's Qwen2-VL / GLM4V forwards take 4-row ids
+            batches.append(batch)
+        return batches
+
+    def loss_of(module, batch):
+        recording[0] = module is model
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                out = module(**batch, return_dict=True)
+        finally:
+            recording[0] = False
+        if module is model:
+            result["warnings"] += [str(w.message) for w in caught if str(w.message).startswith("fsdp2-compat")]
+        return fused_loss(out, batch), out
+
+    def compare(out, ref_out):
+        result["logprob_err"] = max(result["logprob_err"], rel_err(out.log_probs, ref_out.log_probs))
+
+    try:
+        with adapt:
+            return train_against_reference(model, reference, rank, world, result, batches_for, loss_of, steps, lr,
+                                           compare)
+    finally:
+        torch_functional.FusedLinearForPPO.forward = original_forward

@@ -1,0 +1,128 @@
+"""Tiny, download-free Hugging Face models for exercising FSDP2 wrapping.
+
+Every family is built from its transformers config class (no hub access, no
+weights) with 1-2 decoder layers, hidden size 32 and depth-1 vision/audio
+towers, so a build plus one training step takes well under a second on CPU
+once torch/transformers are imported.
+
+Works with transformers 4.57.x and 5.x.  This package imports neither torch nor
+transformers at import time; each function imports them when called.  The
+configs live in ``configs``, the batches in ``batches``.
+
+API::
+
+    FAMILIES                        # tuple of family names
+    available(family)               # True, or a reason string
+    wrappable(family)               # also: verl / SkyRL accept its layer classes
+    build(family, tie=False, seed=0)  # fp32 CPU model in train mode
+    make_batch(family, model, seed=..., batch_size=2)  # kwargs for model(**batch)
+
+Families whose vision/audio tower reads an auxiliary embedding's ``.weight``
+directly in ``forward`` (the FSDP2 "mixed torch.Tensor and DTensor" class):
+glm4v, glm4v_moe, glm46v (GLM4V vision ``position_embedding`` into
+``F.grid_sample``), lfm2_vl (SigLIP2 ``position_embedding``), paddleocr_vl
+(SigLIP-style ``position_embedding`` through ``interpolate_pos_encoding``),
+qwen2_audio, voxtral, audioflamingo3 (Whisper-style ``embed_positions``).
+qwen2, llama, qwen2_5_vl, qwen3_vl and qwen3_vl_moe are controls: their
+auxiliary embeddings are called as modules (or there are none).
+
+Observed with torch 2.13 CPU, one gloo rank, untied, every ``nn.Embedding``
+plus the ``_no_split_modules`` classes wrapped (verl/SkyRL selection):
+glm4v*/glm46v ``aten.grid_sampler_2d``; paddleocr_vl, qwen2_audio, voxtral,
+audioflamingo3 ``aten.add.Tensor``; lfm2_vl ``aten.copy_`` (on 5.x only when
+wrapped children-first: 5.x lists ``Siglip2VisionEmbeddings`` itself as a
+no-split class).  ``glm46v``, ``paddleocr_vl`` and ``audioflamingo3`` need
+transformers 5.x; ``available()`` says so on 4.x.
+"""
+
+from __future__ import annotations
+
+from .batches import make_batch
+from .configs import CLASSES, FAMILIES, tiny_config
+
+__all__ = ["FAMILIES", "CLASSES", "available", "wrappable", "build", "make_batch", "tiny_config", "quiet"]
+
+
+def available(family: str) -> bool | str:
+    """True when the installed transformers provides ``family``, else a reason."""
+    if family not in CLASSES:
+        return f"unknown family {family!r}; known: {', '.join(FAMILIES)}"
+    import transformers
+
+    model_cls, config_cls = CLASSES[family]
+    missing = [n for n in (model_cls, config_cls) if not hasattr(transformers, n)]
+    if missing:
+        return f"transformers {transformers.__version__} has no {' / '.join(missing)}"
+    return True
+
+
+_WRAPPABLE: dict = {}
+
+
+def wrappable(family: str) -> bool | str:
+    """True when verl's and SkyRL's ``apply_fsdp2`` can take ``family`` here, else a reason.
+
+    Both assert on an empty layer-class list before sharding anything, and some
+    transformers releases ship an empty ``_no_split_modules`` (LFM2-VL and
+    Voxtral on 4.57, GLM-4.6V on 5.0.0rc3).  Cached: it builds the model once.
+    """
+    if family not in _WRAPPABLE:
+        reason = available(family)
+        if reason is True and not build(family)._no_split_modules:
+            reason = "%s has an empty _no_split_modules in this transformers: upstream refuses it" % family
+        _WRAPPABLE[family] = reason
+    return _WRAPPABLE[family]
+
+
+def _require(family: str) -> None:
+    ok = available(family)
+    if ok is not True:
+        raise RuntimeError(ok)
+
+
+def quiet(fn, *args):
+    """Call ``fn`` with transformers logging at ERROR (PaddleOCR-VL's config
+    validator warns about its own ``mrope_section`` key on every build)."""
+    from transformers.utils import logging as hf_logging
+
+    old = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        return fn(*args)
+    finally:
+        hf_logging.set_verbosity(old)
+
+
+def build(family: str, *, tie: bool | str = False, seed: int = 0):
+    """Tiny fp32 CPU model of ``family`` in train mode, weights from ``seed``.
+
+    ``tie``: False (untied), True (tied, flags agree), or ``"weights-only"``:
+    tied weights under a top-level ``tie_word_embeddings=False``, as a Qwen3-VL
+    checkpoint loads in transformers 4.57 (the flag that ties lives in
+    ``text_config``); the frameworks read the top-level flag.
+    """
+    _require(family)
+    import torch
+    import transformers as T
+
+    tied = bool(tie)
+    config = quiet(tiny_config, family, tied)
+    model_cls = getattr(T, CLASSES[family][0])
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_cls(config)
+    model = model.to(dtype=torch.float32, device="cpu")
+    model.train()
+    inp = model.get_input_embeddings().weight
+    out = model.get_output_embeddings().weight
+    if (inp is out) != tied:
+        raise AssertionError(
+            f"{family}: tie={tie} requested but get_input_embeddings().weight is "
+            f"get_output_embeddings().weight == {inp is out} "
+            f"(transformers {T.__version__})"
+        )
+    if tie == "weights-only":
+        model.config.tie_word_embeddings = False
+    return model
+
+

@@ -1,0 +1,152 @@
+"""Deterministic tiny batches: kwargs for ``model(**batch)`` that exercise every tower.
+
+Token ids, image grids and audio lengths fit the geometry of ``configs``.
+"""
+
+from __future__ import annotations
+
+from .configs import (
+    _AUDIO,
+    _AUDIO_BOS,
+    _AUDIO_EOS,
+    _GRID,
+    _IMAGE_TOKENS,
+    _IMG,
+    _MEL,
+    _MEL_LEN,
+    _SRC_POS,
+    _TEXT_TOKENS_MAX,
+    _VEND,
+    _VID,
+    _VSTART,
+)
+
+def _text_ids(gen, n: int):
+    import torch
+
+    return torch.randint(3, _TEXT_TOKENS_MAX, (n,), generator=gen)
+
+
+def _with_placeholders(gen, batch_size: int, pre: int, span: list[int], post: int):
+    """input_ids rows: text[pre] + span + text[post]; labels mask the span."""
+    import torch
+
+    rows, labels = [], []
+    for _ in range(batch_size):
+        a, b = _text_ids(gen, pre), _text_ids(gen, post)
+        mid = torch.tensor(span, dtype=torch.long)
+        ids = torch.cat([a, mid, b])
+        lab = ids.clone()
+        lab[pre : pre + len(span)] = -100
+        rows.append(ids)
+        labels.append(lab)
+    input_ids = torch.stack(rows)
+    return input_ids, torch.ones_like(input_ids), torch.stack(labels)
+
+
+def _accepts(fn, name: str) -> bool:
+    import inspect
+
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def make_batch(family: str, model, *, seed: int, batch_size: int = 2) -> dict:
+    """Deterministic kwargs for ``model(**batch)`` (with labels -> scalar loss)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(int(seed))
+    cfg = model.config
+
+    if family in ("qwen2", "llama"):
+        ids = torch.stack([_text_ids(gen, 12) for _ in range(batch_size)])
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+    if family in ("glm4v", "glm4v_moe", "glm46v", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "paddleocr_vl"):
+        # Patchified pixels plus a (t, h, w) grid per image; only the patch layout differs.
+        vcfg = cfg.vision_config
+        n_patches = _GRID * _GRID
+        if family == "paddleocr_vl":
+            patch_shape = (vcfg.num_channels, vcfg.patch_size, vcfg.patch_size)
+        else:
+            patch_shape = (vcfg.in_channels * vcfg.temporal_patch_size * vcfg.patch_size**2,)
+        pixel_values = torch.randn(batch_size * n_patches, *patch_shape, generator=gen)
+        grid = torch.tensor([[1, _GRID, _GRID]] * batch_size, dtype=torch.long)
+        span = [_VSTART] + [_IMG] * _IMAGE_TOKENS + [_VEND]
+        input_ids, attn, labels = _with_placeholders(gen, batch_size, 5, span, 6)
+        batch = {
+            "input_ids": input_ids,
+            "attention_mask": attn,
+            "pixel_values": pixel_values,
+            "image_grid_thw": grid,
+            "labels": labels,
+        }
+        _add_mm_token_type_ids(model, batch)
+        return batch
+
+    if family == "lfm2_vl":
+        vcfg = cfg.vision_config
+        n_patches = _GRID * _GRID
+        patch_dim = vcfg.num_channels * vcfg.patch_size**2
+        pixel_values = torch.randn(batch_size, n_patches, patch_dim, generator=gen)
+        pixel_attention_mask = torch.ones(batch_size, n_patches, dtype=torch.long)
+        spatial_shapes = torch.tensor([[_GRID, _GRID]] * batch_size, dtype=torch.long)
+        span = [_IMG] * _IMAGE_TOKENS
+        input_ids, attn, labels = _with_placeholders(gen, batch_size, 5, span, 6)
+        return {
+            "input_ids": input_ids,
+            "attention_mask": attn,
+            "pixel_values": pixel_values,
+            "pixel_attention_mask": pixel_attention_mask,
+            "spatial_shapes": spatial_shapes,
+            "labels": labels,
+        }
+
+    if family in ("qwen2_audio", "audioflamingo3"):
+        n_audio = _SRC_POS // 2  # conv stride 2 then avg-pool stride 2
+        input_features = torch.randn(batch_size, _MEL, _MEL_LEN, generator=gen)
+        feat_mask = torch.ones(batch_size, _MEL_LEN, dtype=torch.long)
+        span = [_AUDIO_BOS] + [_AUDIO] * n_audio + [_AUDIO_EOS]
+        input_ids, attn, labels = _with_placeholders(gen, batch_size, 4, span, 6)
+        mask_key = "feature_attention_mask" if family == "qwen2_audio" else "input_features_mask"
+        return {
+            "input_ids": input_ids,
+            "attention_mask": attn,
+            "input_features": input_features,
+            mask_key: feat_mask,
+            "labels": labels,
+        }
+
+    if family == "voxtral":
+        acfg = cfg.audio_config
+        frames_per_token = acfg.intermediate_size // acfg.hidden_size
+        n_audio = _SRC_POS // frames_per_token
+        input_features = torch.randn(batch_size, _MEL, _MEL_LEN, generator=gen)
+        span = [_AUDIO_BOS] + [_AUDIO] * n_audio + [_AUDIO_EOS]
+        input_ids, attn, labels = _with_placeholders(gen, batch_size, 4, span, 6)
+        return {
+            "input_ids": input_ids,
+            "attention_mask": attn,
+            "input_features": input_features,
+            "labels": labels,
+        }
+
+    raise ValueError(f"unknown family {family!r}")
+
+
+def _add_mm_token_type_ids(model, batch: dict) -> None:
+    """transformers 5.x computes 3D (M-RoPE) positions only when given
+    ``mm_token_type_ids`` (0 text, 1 image, 2 video); 4.x derives them from ids."""
+    import torch
+
+    inner = getattr(model, "model", model)
+    fn = getattr(inner, "get_rope_index", None)
+    if fn is None or not _accepts(fn, "mm_token_type_ids"):
+        return
+    ids = batch["input_ids"]
+    tt = torch.zeros_like(ids, dtype=torch.int32)
+    tt[ids == _IMG] = 1
+    tt[ids == _VID] = 2
+    batch["mm_token_type_ids"] = tt

@@ -1,0 +1,218 @@
+"""The engine's contract on a toy upstream (``conftest.toy``): no torch, no framework.
+
+When a target applies, what each outcome says, all-or-nothing swaps, revert
+by identity (aliases and copies included), methods of classes as targets,
+strict mode.  The same contract against the real verl is in
+tests/integrations/test_engine_upstream.py.
+"""
+
+import sys
+import types
+
+import pytest
+
+import fsdp2_compat
+from fsdp2_compat.core import aliases, engine, hooks
+
+
+def outcome_of(target, patch="toy"):
+    [outcome] = [o for n, o in engine.outcomes([patch]) if o.target is target]
+    return outcome
+
+
+def test_hook_waits_for_the_import(toy, monkeypatch):
+    toy.register(monkeypatch, toy.patch())
+    fsdp2_compat.apply("toy")
+    assert "f2c_toy.utils" not in sys.modules
+    assert outcome_of(toy.select).kind == engine.WAITING
+    assert "f2c_toy.utils" in hooks.waiting()
+    utils = toy.import_utils()
+    assert outcome_of(toy.select).kind == engine.APPLIED
+    assert utils.select("m", "l") == ["patched", "m", "l"]
+    assert "f2c_toy.utils" not in hooks.waiting()
+
+
+def test_applies_at_once_when_the_module_is_already_imported(toy, monkeypatch):
+    toy.register(monkeypatch, toy.patch())
+    utils = toy.import_utils()
+    original = utils.select
+    fsdp2_compat.apply("toy")
+    outcome = outcome_of(toy.select)
+    assert outcome.kind == engine.APPLIED and outcome.found == "1.2.0"
+    assert utils.select is not original and engine.is_ours(utils.select)
+    assert engine.active_targets() == [toy.select.key]
+
+
+def test_revert_restores_originals_and_aliases_by_identity(toy, monkeypatch):
+    toy.register(monkeypatch, toy.patch())
+    utils = toy.import_utils()
+    caller = sys.modules.get("f2c_toy.caller") or __import__("f2c_toy.caller", fromlist=["x"])
+    original = utils.select
+    assert caller.select is original
+    fsdp2_compat.apply("toy")
+    assert caller.select is utils.select is not original  # the alias follows the patch
+    assert "f2c_toy.caller" in outcome_of(toy.select).detail
+    [reverted] = fsdp2_compat.revert()
+    assert reverted.kind == engine.REVERTED and reverted.detail == ""
+    assert utils.select is original and caller.select is original
+    assert not engine.is_ours(utils.select) and engine.active_targets() == []
+
+
+def test_revert_also_restores_copies_made_while_patched(toy, monkeypatch):
+    toy.register(monkeypatch, toy.patch())
+    utils = toy.import_utils()
+    original = utils.select
+    fsdp2_compat.apply("toy")
+    late = types.ModuleType("f2c_toy_late_caller")
+    late.select = utils.select  # imported by name after the patch
+    sys.modules[late.__name__] = late
+    try:
+        fsdp2_compat.revert()
+        assert late.select is original
+    finally:
+        del sys.modules[late.__name__]
+
+
+def test_a_name_someone_else_rebound_is_left_alone_and_reported(toy, monkeypatch):
+    toy.register(monkeypatch, toy.patch())
+    utils = toy.import_utils()
+    fsdp2_compat.apply("toy")
+
+    def theirs(model, layers):
+        return "theirs"
+
+    utils.select = theirs
+    [reverted] = fsdp2_compat.revert()
+    assert utils.select is theirs
+    assert "left alone" in reverted.detail and "f2c_toy.utils.select" in reverted.detail
+
+
+def test_drifted_upstream_code_is_skipped_and_left_untouched(toy, monkeypatch):
+    toy.register(monkeypatch, toy.patch())
+    monkeypatch.setattr(toy.select, "fingerprints", {"imaginary": "0000000000000000"})
+    utils = toy.import_utils()
+    original = utils.select
+    fsdp2_compat.apply("toy")
+    outcome = outcome_of(toy.select)
+    assert outcome.kind == engine.DRIFTED and utils.select is original
+    assert toy.fp_select in outcome.detail and "0000000000000000" in outcome.detail
+
+
+def test_version_outside_the_range_says_required_and_found(toy, monkeypatch):
+    toy.register(monkeypatch, toy.patch())
+    monkeypatch.setattr(toy.select, "versions", ">=2.0")
+    utils = toy.import_utils()
+    original = utils.select
+    fsdp2_compat.apply("toy")
+    outcome = outcome_of(toy.select)
+    assert outcome.kind == engine.VERSION and utils.select is original
+    assert "required f2c-toy >=2.0" in outcome.detail and "found 1.2.0" in outcome.detail
+
+
+def test_fixed_upstream_release_is_not_needed(toy, monkeypatch):
+    toy.register(monkeypatch, toy.patch())
+    monkeypatch.setattr(toy.select, "fixed_in", ">=1.2")
+    utils = toy.import_utils()
+    original = utils.select
+    fsdp2_compat.apply("toy")
+    assert outcome_of(toy.select).kind == engine.NOT_NEEDED and utils.select is original
+
+
+def test_a_seam_that_throws_is_a_failure_not_a_broken_import(toy, monkeypatch):
+    toy.register(monkeypatch, toy.patch())
+    monkeypatch.setattr(toy.select, "seam", "toy_seams:broken_seam")
+    fsdp2_compat.apply("toy")
+    utils = toy.import_utils()  # must not raise
+    outcome = outcome_of(toy.select)
+    assert outcome.kind == engine.FAILED and "RuntimeError: a seam with a bug" in outcome.detail
+    assert not engine.is_ours(utils.select)
+
+
+def test_failure_midway_leaves_nothing_half_applied(toy, monkeypatch):
+    """The seam swaps two globals, then alias rebinding fails: both are restored."""
+    toy.register(monkeypatch, toy.patch())
+    monkeypatch.setattr(toy.select, "seam", "toy_seams:seam_and_helper")
+    utils = toy.import_utils()
+    before = dict(utils.__dict__)
+
+    def broken_rebind(*args, **kwargs):
+        raise RuntimeError("simulated failure while rebinding")
+
+    monkeypatch.setattr(aliases, "rebind", broken_rebind)
+    fsdp2_compat.apply("toy")
+    outcome = outcome_of(toy.select)
+    assert outcome.kind == engine.FAILED and "simulated failure" in outcome.detail
+    assert [k for k in before if utils.__dict__.get(k) is not before[k]] == []
+    assert engine.active_targets() == []
+
+
+def test_a_seam_naming_a_global_upstream_lacks_changes_nothing(toy, monkeypatch):
+    toy.register(monkeypatch, toy.patch())
+    monkeypatch.setattr(toy.select, "seam", "toy_seams:seam_that_names_a_missing_global")
+    utils = toy.import_utils()
+    original = utils.select
+    fsdp2_compat.apply("toy")
+    outcome = outcome_of(toy.select)
+    assert outcome.kind == engine.FAILED and "no_such_global" in outcome.detail
+    assert utils.select is original and "no_such_global" not in utils.__dict__
+
+
+def test_a_method_of_a_class_is_a_target_too(toy, monkeypatch):
+    toy.register(monkeypatch, toy.patch(toy.prepare))
+    utils = toy.import_utils()
+    original = utils.Engine.__dict__["prepare"]
+    fsdp2_compat.apply("toy")
+    assert outcome_of(toy.prepare).kind == engine.APPLIED
+    assert utils.Engine().prepare(3) == ("patched", 3)
+    fsdp2_compat.revert()
+    assert utils.Engine.__dict__["prepare"] is original and utils.Engine().prepare(3) == ("upstream", 3)
+
+
+def test_a_method_target_on_a_missing_class_is_drift(toy, monkeypatch):
+    toy.register(monkeypatch, toy.patch(toy.prepare))
+    monkeypatch.setattr(toy.prepare, "attr", "Gone.prepare")
+    toy.import_utils()
+    fsdp2_compat.apply("toy")
+    outcome = outcome_of(toy.prepare)
+    assert outcome.kind == engine.DRIFTED and "no class 'Gone'" in outcome.detail
+
+
+def test_second_apply_wraps_nothing_twice_and_shared_targets_stay(toy, monkeypatch):
+    toy.register(monkeypatch, toy.patch(name="toy"), toy.patch(name="toy2"))
+    utils = toy.import_utils()
+    original = utils.select
+    fsdp2_compat.apply("toy")
+    first = utils.select
+    fsdp2_compat.apply(["toy", "toy2"])
+    assert utils.select is first
+    fsdp2_compat.revert(["toy"])
+    assert utils.select is first  # toy2 still needs it
+    fsdp2_compat.revert(["toy2"])
+    assert utils.select is original
+
+
+def test_patched_context_manager_reverts_on_exit(toy, monkeypatch):
+    toy.register(monkeypatch, toy.patch())
+    utils = toy.import_utils()
+    original = utils.select
+    with fsdp2_compat.patched("toy"):
+        assert utils.select is not original
+    assert utils.select is original and "toy" not in engine.requested()
+
+
+def test_strict_mode_turns_a_skip_into_an_error(toy, monkeypatch):
+    toy.register(monkeypatch, toy.patch())
+    monkeypatch.setattr(toy.select, "fingerprints", {"imaginary": "0000000000000000"})
+    utils = toy.import_utils()
+    original = utils.select
+    with pytest.raises(fsdp2_compat.Fsdp2CompatError, match="drifted"):
+        fsdp2_compat.apply("toy", strict=True)
+    assert utils.select is original
+
+
+def test_revert_before_the_import_cancels_the_hook(toy, monkeypatch):
+    toy.register(monkeypatch, toy.patch())
+    fsdp2_compat.apply("toy")
+    fsdp2_compat.revert()
+    utils = toy.import_utils()
+    assert not engine.is_ours(utils.select) and "f2c_toy.utils" not in hooks.waiting()

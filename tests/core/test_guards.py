@@ -1,0 +1,94 @@
+"""``fsdp2_compat.core.guards``: versions, ranges and source fingerprints."""
+
+import textwrap
+
+import pytest
+
+from fsdp2_compat.core import guards
+
+SOURCE = textwrap.dedent('''
+    def f(x):
+        """Doc."""
+        # a comment
+        return x + 1
+
+
+    class Engine:
+        def prepare(self, x):
+            return x * 2
+
+        def other(self):
+            pass
+''')
+
+
+def test_fingerprint_ignores_docstrings_comments_and_layout():
+    reformatted = "def f( x ):\n    return (x+1)\n"
+    assert guards.fingerprint_source(SOURCE, "f") == guards.fingerprint_source(reformatted, "f")
+    assert guards.fingerprint_source(SOURCE, "f") != guards.fingerprint_source("def f(x):\n    return x + 2\n", "f")
+
+
+def test_a_method_is_fingerprinted_by_its_dotted_name():
+    method = "def prepare(self, x):\n    return x * 2\n"
+    assert guards.fingerprint_source(SOURCE, "Engine.prepare") == guards.fingerprint_source(method, "prepare")
+    assert guards.fingerprint_source(SOURCE, "Engine.prepare") != guards.fingerprint_source(SOURCE, "Engine.other")
+
+
+@pytest.mark.parametrize("name", ["g", "Engine.missing", "Missing.prepare", "f.inner"])
+def test_a_missing_definition_is_a_lookup_error_naming_it(name):
+    with pytest.raises(LookupError, match=repr(name.split(".")[-1]) if "." not in name else "no definition"):
+        guards.fingerprint_source(SOURCE, name)
+
+
+def test_live_objects_fingerprint_like_their_released_source(tmp_path, monkeypatch):
+    (tmp_path / "f2c_guard_mod.py").write_text(SOURCE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import f2c_guard_mod
+
+    assert guards.fingerprint(f2c_guard_mod.f) == guards.fingerprint_source(SOURCE, "f")
+    assert guards.fingerprint(f2c_guard_mod.Engine.prepare) == guards.fingerprint_source(SOURCE, "Engine.prepare")
+
+
+def test_code_without_source_or_already_wrapped_cannot_be_verified():
+    with pytest.raises(LookupError, match="source is not available"):
+        guards.fingerprint(len)
+
+    def original():
+        pass
+
+    def wrapper():
+        pass
+
+    wrapper.__wrapped__ = original
+    with pytest.raises(LookupError, match="wrapped"):
+        guards.fingerprint(wrapper)
+
+
+def test_source_that_no_longer_parses_is_unknown_code_not_a_crash(tmp_path, monkeypatch):
+    path = tmp_path / "f2c_guard_broken.py"
+    path.write_text("def f():\n    return 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import f2c_guard_broken
+
+    path.write_text("def f(:\n")  # edited on disk after the import
+    import linecache
+
+    linecache.checkcache(str(path))
+    with pytest.raises(LookupError):
+        guards.fingerprint(f2c_guard_broken.f)
+
+
+@pytest.mark.parametrize("version, spec, ok", [
+    ("0.9.1", ">=0.7.1,<=0.9.1", True),
+    ("0.9.2", ">=0.7.1,<=0.9.1", False),
+    ("5.0.0rc3", ">=5.0.0rc0", True),  # pre-releases count
+    ("5.0.0rc3", "<5.0.0", False),  # PEP 440: "<V" excludes V's own pre-releases
+    ("2.13.0+cpu", ">=2.13,<=2.14.1", True),  # local versions too
+])
+def test_ranges(version, spec, ok):
+    assert guards.in_range(version, spec) is ok
+
+
+def test_an_absent_distribution_has_no_version():
+    assert guards.installed_version("f2c-no-such-distribution") is None
+    assert guards.installed_version("pytest") is not None

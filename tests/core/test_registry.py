@@ -1,0 +1,56 @@
+"""``fsdp2_compat.registry``: the catalogue and the one model-type map everything derives from."""
+
+import re
+
+from fsdp2_compat import integrations, registry
+from fsdp2_compat.core.records import Patch, Target
+
+
+def test_every_model_type_is_listed_by_exactly_one_patch():
+    seen = {}
+    for p in registry.PATCHES:
+        assert p.model_types, p.name
+        for mt in p.model_types:
+            assert re.fullmatch(r"[a-z0-9_]+", mt), (p.name, mt)  # transformers' model_type spelling
+            assert mt not in seen, "%s listed by %s and %s" % (mt, seen[mt], p.name)
+            seen[mt] = p.name
+    for mt, name in seen.items():
+        assert registry.for_model_type(mt).name == name
+    assert registry.for_model_type("no_such_model") is None
+
+
+def test_names_are_unique_and_lowercase():
+    names = registry.names()
+    assert len(names) == len(set(names)) and all(n == n.lower() and "," not in n for n in names)
+    assert all(registry.patch(n).name == n for n in names)
+
+
+def test_selection_model_types_are_exactly_the_patches_carrying_the_selection_fix():
+    mts = registry.selection_model_types()
+    assert mts["glm4v"] == "glm4v" and mts["voxtral"] == "voxtral"
+    assert "qwen3_vl" not in mts  # qwen3vl fixes verl's fused lm_head read only
+    for mt, name in mts.items():
+        assert set(registry.WRAP_SELECTION) <= set(registry.patch(name).targets)
+
+
+def test_every_target_is_well_formed_and_belongs_to_an_integration():
+    for t in registry.targets():
+        assert isinstance(t, Target)
+        assert re.fullmatch(r"[\w.]+:\w+", t.seam), t.seam
+        assert t.fingerprints and all(re.fullmatch(r"[0-9a-f]{16}", fp) for fp in t.fingerprints.values()), t
+        assert t.dist in integrations.dists(), t
+    assert len({t.key for t in registry.targets()}) == len(registry.targets())
+
+
+def test_the_sibling_seam_rule_covers_verl_s_two_selection_layouts():
+    inline, current = registry.WRAP_SELECTION[0], registry.WRAP_SELECTION[1]
+    assert registry.sibling(inline, "0.9.1", ["glm4v"]) is current
+    assert registry.sibling(current, "0.7.0", ["glm4v"]) is inline
+    assert registry.sibling(current, "0.9.1", ["glm4v"]) is None  # it covers itself: no sibling needed
+    assert registry.sibling(inline, "0.9.1", ["qwen3vl"]) is None  # qwen3vl has no selection seam
+    assert registry.sibling(inline, None, ["glm4v"]) is None
+
+
+def test_patch_families_are_derived_from_model_types():
+    p = Patch("x", "s", {"glm4v": "GLM-4.1V", "glm4v_moe": "GLM-4.5V"}, (), (), "never")
+    assert p.families == ("GLM-4.1V (glm4v)", "GLM-4.5V (glm4v_moe)")

@@ -1,0 +1,282 @@
+"""The patch engine against the real installed verl (whatever the pinned set has).
+
+These tests are about the engine's contract on a real upstream release (when
+a patch applies, what is recorded, what revert restores); the same contract
+on a toy distribution, without torch, is tests/core/test_engine_core.py, and
+that the fix itself is right is proven on real FSDP2 in test_wrap_selection.py.
+"""
+
+import json
+import sys
+
+import pytest
+
+import fsdp2_compat
+from fsdp2_compat import registry
+from fsdp2_compat.core import engine, guards
+
+VERL = guards.installed_version("verl")
+pytestmark = pytest.mark.skipif(VERL is None, reason="verl is not installed in this pinned set")
+
+
+def verl_selection_target():
+    """The verl seam that covers the installed release."""
+    [target] = [t for t in registry.WRAP_SELECTION if t.dist == "verl" and guards.in_range(VERL, t.versions)]
+    return target
+
+
+def test_hook_waits_for_the_import(python):
+    target = verl_selection_target()
+    proc = python(
+        """
+        import sys, json
+        import fsdp2_compat.auto
+        from fsdp2_compat.core import engine
+        before = [o.kind for n, o in engine.outcomes(["glm4v"]) if o.target.key == %r]
+        assert "verl.utils.fsdp_utils" not in sys.modules
+        import verl.utils.fsdp_utils as fu
+        after = [o.kind for n, o in engine.outcomes(["glm4v"]) if o.target.key == %r]
+        print(json.dumps([before, after, type(getattr(fu, %r)).__name__]))
+        """
+        % (target.key, target.key, target.attr),
+        env={"FSDP2_COMPAT_PATCHES": "glm4v"},
+    )
+    before, after, kind = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert before == [engine.WAITING]
+    assert after == [engine.APPLIED]
+    assert kind == "FunctionWrapper"
+
+
+def test_applies_at_once_when_the_module_is_already_imported():
+    import verl.utils.fsdp_utils as fu
+
+    target = verl_selection_target()
+    original = fu.__dict__[target.attr]
+    fsdp2_compat.apply("glm4v")
+    assert fu.__dict__[target.attr] is not original
+    assert fu.__dict__[target.attr].__wrapped__ is original
+    [outcome] = [o for n, o in engine.outcomes(["glm4v"]) if o.target is target]
+    assert outcome.kind == engine.APPLIED and outcome.found == VERL
+
+
+def test_second_apply_wraps_nothing_twice():
+    import verl.utils.fsdp_utils as fu
+
+    target = verl_selection_target()
+    original = fu.__dict__[target.attr]
+    fsdp2_compat.apply("glm4v")
+    first = fu.__dict__[target.attr]
+    fsdp2_compat.apply("glm4v")
+    fsdp2_compat.apply("lfm2vl")  # shares the target
+    assert fu.__dict__[target.attr] is first
+    assert first.__wrapped__ is original
+
+
+def test_shared_target_stays_until_its_last_patch_is_reverted():
+    import verl.utils.fsdp_utils as fu
+
+    target = verl_selection_target()
+    original = fu.__dict__[target.attr]
+    fsdp2_compat.apply(["glm4v", "lfm2vl"])
+    fsdp2_compat.revert(["glm4v"])
+    assert fu.__dict__[target.attr] is not original
+    fsdp2_compat.revert(["lfm2vl"])
+    assert fu.__dict__[target.attr] is original
+
+
+def test_revert_restores_originals_and_aliases_by_identity():
+    import types
+
+    import verl.utils.fsdp_utils as fu
+
+    target = verl_selection_target()
+    original = fu.__dict__[target.attr]
+    # A caller that imported the function by name before the patch, as verl's
+    # workers do with ``from verl.utils.fsdp_utils import apply_fsdp2``.
+    caller = types.ModuleType("fsdp2_compat_test_caller")
+    caller.selected = original
+    sys.modules[caller.__name__] = caller
+    try:
+        fsdp2_compat.apply("glm4v")
+        assert caller.selected is fu.__dict__[target.attr] is not original
+        [outcome] = [o for n, o in engine.outcomes(["glm4v"]) if o.target is target]
+        assert "fsdp2_compat_test_caller" in outcome.detail
+        [outcome] = [o for o in fsdp2_compat.revert() if o.target is target]
+        assert outcome.kind == engine.REVERTED and outcome.detail == ""  # nothing left behind
+        assert caller.selected is original
+        assert fu.__dict__[target.attr] is original
+    finally:
+        del sys.modules[caller.__name__]
+
+
+def test_revert_also_restores_copies_made_while_patched():
+    import types
+
+    import verl.utils.fsdp_utils as fu
+
+    target = verl_selection_target()
+    original = fu.__dict__[target.attr]
+    fsdp2_compat.apply("glm4v")
+    late = types.ModuleType("fsdp2_compat_test_late_caller")
+    late.selected = fu.__dict__[target.attr]  # imported by name after the patch
+    sys.modules[late.__name__] = late
+    try:
+        fsdp2_compat.revert()
+        assert late.selected is original
+    finally:
+        del sys.modules[late.__name__]
+
+
+def test_patched_context_manager_reverts_on_exit():
+    import verl.utils.fsdp_utils as fu
+
+    target = verl_selection_target()
+    original = fu.__dict__[target.attr]
+    with fsdp2_compat.patched("glm4v"):
+        assert fu.__dict__[target.attr] is not original
+    assert fu.__dict__[target.attr] is original
+    assert engine.requested() == ()
+
+
+def test_drifted_upstream_code_is_skipped_and_left_untouched(monkeypatch):
+    import verl.utils.fsdp_utils as fu
+
+    target = verl_selection_target()
+    original = fu.__dict__[target.attr]
+    monkeypatch.setattr(target, "fingerprints", {"imaginary": "0000000000000000"})
+    fsdp2_compat.apply("glm4v")
+    assert fu.__dict__[target.attr] is original
+    [outcome] = [o for n, o in engine.outcomes(["glm4v"]) if o.target is target]
+    assert outcome.kind == engine.DRIFTED
+    assert guards.fingerprint(original) in outcome.detail and "0000000000000000" in outcome.detail
+
+
+def test_version_outside_the_range_says_required_and_found(monkeypatch):
+    import verl.utils.fsdp_utils as fu
+
+    target = verl_selection_target()
+    original = fu.__dict__[target.attr]
+    monkeypatch.setattr(target, "versions", "<0.0.1")
+    fsdp2_compat.apply("glm4v")
+    assert fu.__dict__[target.attr] is original
+    [outcome] = [o for n, o in engine.outcomes(["glm4v"]) if o.target is target]
+    assert outcome.kind == engine.VERSION
+    assert "required verl <0.0.1" in outcome.detail and "found %s" % VERL in outcome.detail
+
+
+def test_fixed_upstream_release_is_not_needed(monkeypatch):
+    target = verl_selection_target()
+    monkeypatch.setattr(target, "fixed_in", ">=%s" % VERL)
+    fsdp2_compat.apply("glm4v")
+    [outcome] = [o for n, o in engine.outcomes(["glm4v"]) if o.target is target]
+    assert outcome.kind == engine.NOT_NEEDED
+
+
+def test_failure_midway_leaves_nothing_half_applied(monkeypatch):
+    """The seam swaps its attributes, then alias rebinding fails: all is undone."""
+    import verl.utils.fsdp_utils as fu
+
+    from fsdp2_compat.core import aliases
+
+    target = verl_selection_target()
+    before = dict(fu.__dict__)
+
+    def broken_rebind(*args, **kwargs):
+        raise RuntimeError("simulated failure while rebinding")
+
+    monkeypatch.setattr(aliases, "rebind", broken_rebind)
+    fsdp2_compat.apply("glm4v")  # must not raise: a broken patch never breaks imports
+    [outcome] = [o for n, o in engine.outcomes(["glm4v"]) if o.target is target]
+    assert outcome.kind == engine.FAILED and "simulated failure" in outcome.detail
+    changed = [k for k in before if fu.__dict__.get(k) is not before[k]]
+    assert changed == []
+
+
+def test_strict_mode_turns_a_skip_into_an_error(monkeypatch):
+    import verl.utils.fsdp_utils as fu
+
+    target = verl_selection_target()
+    original = fu.__dict__[target.attr]
+    monkeypatch.setattr(target, "fingerprints", {"imaginary": "0000000000000000"})
+    with pytest.raises(fsdp2_compat.Fsdp2CompatError, match="drifted"):
+        fsdp2_compat.apply("glm4v", strict=True)
+    assert fu.__dict__[target.attr] is original
+
+
+def test_strict_mode_accepts_the_sibling_seam_being_out_of_range():
+    fsdp2_compat.apply("glm4v", strict=True)  # no error: one verl seam applies, the other is for other releases
+    import verl.utils.fsdp_utils  # noqa: F401
+
+    kinds = {o.target.key: o.kind for n, o in engine.outcomes(["glm4v"]) if o.target.dist == "verl"}
+    assert engine.APPLIED in kinds.values()
+
+
+def test_strict_from_the_environment_fails_the_import(python):
+    proc = python(
+        """
+        import fsdp2_compat.auto
+        from fsdp2_compat import registry
+        for t in registry.WRAP_SELECTION:
+            t.fingerprints = {"imaginary": "0000000000000000"}
+        import verl.utils.fsdp_utils
+        """,
+        env={"FSDP2_COMPAT_PATCHES": "glm4v", "FSDP2_COMPAT_STRICT": "1"},
+        check=False,
+    )
+    assert proc.returncode != 0
+    assert "Fsdp2CompatError" in proc.stderr and "drifted" in proc.stderr
+
+
+def test_status_cli_reports_the_applied_patch_as_json(python):
+    proc = python(
+        "import sys; from fsdp2_compat.cli import main; sys.exit(main(['status', '--json', '--patches', 'glm4v']))"
+    )
+    report = json.loads(proc.stdout)
+    verl_rows = {r["target"]: r for r in report["rows"] if r["dist"] == "verl"}
+    target = verl_selection_target()
+    assert verl_rows[target.key]["outcome"] == engine.APPLIED
+    assert verl_rows[target.key]["found"] == VERL
+    others = [r for k, r in verl_rows.items() if k != target.key and r["module"] == target.module]
+    assert others
+    assert all(r["outcome"] == "other seam" for r in others)
+
+
+def test_status_shows_glm4v_applied_for_every_installed_framework(python):
+    proc = python(
+        """
+        import json
+        import fsdp2_compat
+        from fsdp2_compat import integrations
+        from fsdp2_compat.core import guards
+        from fsdp2_compat.tooling.scenarios import import_fsdp_utils
+        fsdp2_compat.apply("glm4v")
+        installed = [fw for fw in integrations.dists() if guards.installed_version(fw)]
+        for fw in installed:
+            import_fsdp_utils(fw)
+        print(json.dumps([installed, fsdp2_compat.status()]))
+        """
+    )
+    installed, rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    for dist in installed:
+        selection = [r for r in rows if r["dist"] == dist and "wrap selection" in r["what"]]
+        assert [r["outcome"] for r in selection].count(engine.APPLIED) == 1, selection
+        applied = [r for r in selection if r["outcome"] == engine.APPLIED][0]
+        assert applied["diff"] is None or applied["diff"].startswith("patches/%s/" % dist)
+
+
+@pytest.mark.skipif(VERL is None or not guards.in_range(VERL, ">=0.6.0"), reason="verl < 0.6.0 has no Qwen3-VL forward")
+def test_status_shows_qwen3vl_applied_on_the_installed_verl(python):
+    proc = python(
+        """
+        import json
+        import fsdp2_compat
+        fsdp2_compat.apply("qwen3vl")
+        import verl.models.transformers.qwen3_vl
+        print(json.dumps(fsdp2_compat.status()))
+        """
+    )
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert {r["attr"]: r["outcome"] for r in rows} == {
+        "forward_with_torch_backend": engine.APPLIED,
+        "forward_with_triton_backend": engine.APPLIED,
+    }

@@ -1,0 +1,158 @@
+"""Rank functions only the tests and benchmarks run (through ``fsdp2_compat.tooling.ranks``).
+
+- ``wrap_plans``: the FSDP2 units a framework creates, unpatched and patched;
+- ``glm4v_forward_errors``: verl's fused GLM4V forward on stock and adapted transformers;
+- ``lm_head_traffic``: the bytes ``lm_head`` moves in one bf16 fused step
+  (``benchmarks/lm_head_gather.py``; tests assert the counts).
+
+Importable by module name in the rank processes: ``tests/`` is on ``sys.path``
+(pytest's rootdir conftest, or the benchmark's own path line).
+"""
+
+import contextlib
+
+from fsdp2_compat.tooling.scenarios import first_line, fused_loss, import_fsdp_utils, wrapped_module_names
+
+
+def wrap_plans(rank, world, framework, families, patches):
+    """Per family, the FSDP units the framework creates unpatched and patched.
+
+    Returns ``{family: {"unpatched": [...] or "error: ...", "patched": [...],
+    "auxiliary": [...]}}``; the auxiliary embeddings are the ones the fix
+    keeps in the root group.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import fsdp2_compat
+    from fsdp2_compat.tooling import tiny as tiny_models
+    from fsdp2_compat.fixes.selection import auxiliary_embeddings
+
+    fsdp_utils = import_fsdp_utils(framework)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))  # named, as verl and SkyRL do
+    plans = {}
+    for family in families:
+        plan = plans[family] = {}
+        for label in ("unpatched", "patched"):
+            model = tiny_models.build(family)
+            if label == "patched":
+                fsdp2_compat.apply(patches)
+            try:
+                fsdp_utils.apply_fsdp2(model, {"mesh": mesh}, {})
+                plan[label] = wrapped_module_names(model)
+            except Exception as exc:
+                plan[label] = "error: %s: %s" % (type(exc).__name__, first_line(exc))
+            finally:
+                fsdp2_compat.revert()
+        model = tiny_models.build(family)
+        plan["auxiliary"] = sorted(n for n, m in model.named_modules() if m in auxiliary_embeddings(model))
+    return plans
+
+
+
+
+def glm4v_forward_errors(rank, world):
+    """verl's fused GLM4V forward on a tiny unsharded model, on stock transformers and bridged.
+
+    Returns ``{"stock": error or None, "bridged": error or None}``; the
+    ``stock`` error is the upstream incompatibility ``glm4v_bridge`` exists for.
+    """
+    from fsdp2_compat.tooling import glm4v_bridge, tiny as tiny_models
+    from fsdp2_compat.tooling.verl_batches import glm4v_verl_batch
+
+    from verl.models.transformers.monkey_patch import apply_monkey_patch
+
+    model = tiny_models.build("glm4v", tie=False, seed=0)
+    apply_monkey_patch(model, use_remove_padding=False, use_fused_kernels=True, fused_kernels_backend="torch")
+    batch = glm4v_verl_batch(model, tiny_models.make_batch("glm4v", model, seed=1))
+    errors = {}
+    for label, adapt in (("stock", contextlib.nullcontext()), ("bridged", glm4v_bridge.bridge())):
+        try:
+            with adapt:
+                model(**batch, return_dict=True).log_probs.sum().backward()
+            errors[label] = None
+        except Exception as exc:
+            errors[label] = "%s: %s" % (type(exc).__name__, first_line(exc))
+    return errors
+
+
+
+
+def lm_head_traffic(rank, world, patches):
+    """Bytes ``lm_head`` moves in one bf16 fused-forward step on verl >= 0.9 (see benchmarks/lm_head_gather.py)."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    import fsdp2_compat
+    from fsdp2_compat.tooling import tiny as tiny_models
+
+    if patches:
+        fsdp2_compat.apply(patches)
+    from verl.models.transformers.monkey_patch import apply_monkey_patch
+    from verl.utils import fsdp_utils
+    from verl.utils.experimental import torch_functional
+
+    model = tiny_models.build("qwen3_vl", tie=False, seed=0)
+    lm_numel = model.lm_head.weight.numel()
+    apply_monkey_patch(model, use_remove_padding=False, use_fused_kernels=True, fused_kernels_backend="torch")
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    fsdp_utils.apply_fsdp2(model, {"mesh": mesh, "mp_policy": mp}, {})
+
+    counts = {"all_gather_bytes": 0, "reduce_scatter_bytes": 0, "kernel_weight_bytes": 0, "error": None}
+    originals = (dist.all_gather_single, dist.reduce_scatter_single, funcol.all_gather_single)
+
+    group = model.lm_head._get_fsdp_state()._fsdp_param_group
+    inside = [False]  # True while lm_head's own FSDP unit communicates
+
+    def flagged(method):
+        def run(*a, **k):
+            inside[0] = True
+            try:
+                return method(*a, **k)
+            finally:
+                inside[0] = False
+
+        return run
+
+    model.lm_head.unshard = flagged(model.lm_head.unshard)
+    group.post_backward = flagged(group.post_backward)
+
+    def fsdp_gather(output, input, *a, **k):
+        if inside[0]:
+            counts["all_gather_bytes"] += output.numel() * output.element_size()
+        return originals[0](output, input, *a, **k)
+
+    def fsdp_scatter(output, input, *a, **k):
+        if inside[0]:
+            counts["reduce_scatter_bytes"] += input.numel() * input.element_size()
+        return originals[1](output, input, *a, **k)
+
+    def dtensor_gather(tensor, gather_dim, group, *a, **k):
+        counts["all_gather_bytes"] += tensor.numel() * world * tensor.element_size()
+        return originals[2](tensor, gather_dim, group, *a, **k)
+
+    original_kernel = torch_functional.FusedLinearForPPO.forward
+
+    def kernel(self, hidden_states, vocab_weights, *a, **k):
+        counts["kernel_weight_bytes"] = max(counts["kernel_weight_bytes"], vocab_weights.numel() * vocab_weights.element_size())
+        counts["kernel_weight_dtype"] = str(vocab_weights.dtype)
+        return original_kernel(self, hidden_states, vocab_weights, *a, **k)
+
+    dist.all_gather_single, dist.reduce_scatter_single, funcol.all_gather_single = fsdp_gather, fsdp_scatter, dtensor_gather
+    torch_functional.FusedLinearForPPO.forward = kernel
+    try:
+        batch = tiny_models.make_batch("qwen3_vl", model, seed=1 + rank)
+        batch.pop("labels", None)
+        try:
+            out = model(**batch, return_dict=True)
+            fused_loss(out, batch).backward()
+        except Exception as exc:
+            counts["error"] = "%s: %s" % (type(exc).__name__, first_line(exc))
+    finally:
+        dist.all_gather_single, dist.reduce_scatter_single, funcol.all_gather_single = originals
+        torch_functional.FusedLinearForPPO.forward = original_kernel
+    counts["lm_head_numel"] = lm_numel
+    return counts

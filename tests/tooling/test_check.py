@@ -1,0 +1,67 @@
+"""``fsdp2-compat check``: the README's first command, on the installed stack."""
+
+import json
+
+import pytest
+
+from fsdp2_compat import integrations
+from fsdp2_compat.core import guards
+
+FRAMEWORKS = [d for d in integrations.dists() if guards.installed_version(d)]
+pytestmark = pytest.mark.skipif(not FRAMEWORKS, reason="no framework installed in this pinned set")
+
+
+def test_check_shows_the_crash_unpatched_and_the_fix_patched(python):
+    proc = python(
+        "import sys; from fsdp2_compat.cli import main; sys.exit(main(['check', '--json', '--families', 'glm4v,qwen2']))"
+    )
+    report = json.loads(proc.stdout)
+    assert report["failed"] == 0
+    glm = [r for r in report["rows"] if r["family"] == "glm4v"]
+    importable = {r["framework"] for r in report["rows"] if r["fixed"] is not None}
+    assert importable, report["rows"]
+    assert {r["framework"] for r in glm} == importable
+    for row in glm:
+        assert "aten.grid_sampler_2d.default got mixed torch.Tensor and DTensor" in row["unpatched"], row
+        assert row["patched"] == "ok" and row["loss_match"] and row["patch"] == "glm4v"
+
+
+def test_check_fails_when_a_patch_does_not_fix_its_case(python):
+    # Pair GLM4V with a patch that does not touch the wrap selection: the
+    # patched run still crashes, and check must say so with exit status 1.
+    proc = python(
+        """
+        import sys
+        from fsdp2_compat.tooling import check
+        check.selection_cases = lambda families=None: [("glm4v", "qwen3vl")]
+        check.fused_cases = lambda families=None: []
+        from fsdp2_compat.cli import main
+        sys.exit(main(["check", "--json", "--families", "glm4v"]))
+        """,
+        check=False,
+    )
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    report = json.loads(proc.stdout)
+    assert report["failed"] >= 1
+    assert all("grid_sampler_2d" in r["patched"] for r in report["rows"] if r["fixed"] is False)
+    # What upstream printed while the failing cases ran is kept, per case.
+    assert all(set(r["output"]) == {"unpatched", "patched"} for r in report["rows"])
+
+
+VERL = guards.installed_version("verl")
+
+
+@pytest.mark.skipif(VERL is None or not guards.in_range(VERL, ">=0.9.0"),
+                    reason="plain full_tensor() (runs, unaveraged lm_head gradient) is verl >= 0.9 only")
+def test_check_shows_the_unaveraged_gradient_on_two_ranks(python):
+    proc = python(
+        "import sys; from fsdp2_compat.cli import main; sys.exit(main(['check', '--json', '--families', 'qwen3_vl']))"
+    )
+    report = json.loads(proc.stdout)  # the rank processes' prints must not reach stdout
+    assert report["failed"] == 0
+    [one_rank] = [r for r in report["rows"] if r["kind"] == "fused forward"]
+    [two_ranks] = [r for r in report["rows"] if r["kind"] == "fused, 2 ranks"]
+    assert one_rank["unpatched"] == "ok"  # one rank cannot see it ...
+    assert "Monkey patch" in one_rank["output"]["unpatched"]  # verl's prints: captured, not on stdout
+    assert two_ranks["unpatched"].startswith("runs, but the lm_head.weight gradient misses the data-parallel average")
+    assert two_ranks["patched"] == "ok" and two_ranks["fixed"] and two_ranks["patch"] == "qwen3vl"  # ... two can

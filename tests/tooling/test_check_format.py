@@ -1,0 +1,35 @@
+"""``fsdp2-compat check``'s table: every cell in full, wrapped at word boundaries (no torch needed)."""
+
+from fsdp2_compat.tooling import check
+
+ERROR = ("step 0: RuntimeError: aten.grid_sampler_2d.default got mixed torch.Tensor and DTensor, "
+         "need to convert all torch.Tensor to DTensor before calling distributed operators!")
+
+
+def _row(**kw):
+    row = dict(framework="verl", version="0.9.1", family="glm4v", kind="selection", patch="glm4v",
+               loss_match=True, loss_err=0.0, patched="ok", unpatched=ERROR, fixed=True)
+    row.update(kw)
+    return row
+
+
+def test_long_cells_wrap_at_word_boundaries_and_lose_no_word():
+    rows = [_row(), _row(family="qwen2_5_vl", patched="step 0: AttributeError: 'NoneType' object has no "
+                                                        "attribute 'ndim'", loss_err=None, loss_match=None)]
+    table = check.format_rows(rows, width=120)
+    lines = table.splitlines()
+    assert lines[0].split() == [c.upper() for c in check.COLUMNS]
+    assert max(len(line) for line in lines) <= 120
+    assert len(lines) > 3  # the long cells did wrap
+    words = table.split()
+    for cell in (ERROR, rows[1]["patched"]):
+        for word in cell.split():
+            assert word in words, word  # nothing cut mid-word, nothing dropped
+
+
+def test_narrow_terminals_still_get_a_readable_last_column():
+    table = check.format_rows([_row()], width=40)
+    body = [line for line in table.splitlines()[1:]]
+    last = [line.rstrip().rsplit("  ", 1)[-1].strip() for line in body]
+    assert " ".join(last).split() == ERROR.split()  # the whole message, in order
+    assert all(len(piece) <= check._LAST_MIN or " " not in piece for piece in last)
