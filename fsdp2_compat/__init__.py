@@ -30,11 +30,12 @@ _LAZY = {
     "gather_param": ("fsdp2_compat.fixes.gather", "gather_param"),
     "gathered": ("fsdp2_compat.fixes.gather", "gathered"),
     "GatherError": ("fsdp2_compat.fixes.gather", "GatherError"),
+    "ray_runtime_env": ("fsdp2_compat.activation.ray_env", "runtime_env"),
 }
 
 __all__ = [
     "apply", "revert", "patched", "status", "select_wrap_targets", "embeddings_tied",
-    "gather_param", "gathered", "GatherError", "Fsdp2CompatError", "ConfigError",
+    "gather_param", "gathered", "GatherError", "ray_runtime_env", "Fsdp2CompatError", "ConfigError",
 ]
 
 

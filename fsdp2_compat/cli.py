@@ -3,7 +3,7 @@
     fsdp2-compat check [--json] [--verbose] [--families a,b]
     fsdp2-compat audit --model FAMILY --plan verl|skyrl|fixed|hyperparallel|NAMES [--json]
     fsdp2-compat status [--json] [--patches NAMES] [--no-import]
-    fsdp2-compat list
+    fsdp2-compat list [--markdown]
     fsdp2-compat fingerprint FILE NAME
 """
 
@@ -66,12 +66,32 @@ def _cmd_check(args):
 def _cmd_list(args):
     from . import registry
 
+    if args.markdown:
+        print(list_markdown())
+        return 0
     for p in registry.PATCHES:
-        print("%-11s %s" % (p.name, p.summary))
-        print("%-11s model types: %s%s" % ("", ", ".join(p.families), "; " + p.note if p.note else ""))
+        print("%-14s %s" % (p.name, p.summary))
+        print("%-14s model types: %s%s" % ("", ", ".join(p.families), "; " + p.note if p.note else ""))
         for t in p.targets:
-            print("%-11s   %s %s  %s.%s" % ("", t.dist, t.versions, t.module, t.attr))
+            print("%-14s   %s %s  %s.%s" % ("", t.dist, t.versions, t.module, t.attr))
     return 0
+
+
+def list_markdown():
+    """The README's "What it fixes" table, from the catalogue (a test keeps the README equal to it)."""
+    from . import registry
+
+    lines = ["| patch | families (`model_type`) | symptom without it | where (code it fits) |", "|---|---|---|---|"]
+    for p in registry.PATCHES:
+        families = ", ".join("%s (`%s`)" % (label, mt) for mt, label in p.model_types.items())
+        if p.note:
+            families += "; " + p.note
+        spans = {}
+        for what, dist, lo, hi in registry.where(p):
+            spans.setdefault(what, []).append("%s %s" % (dist, lo if lo == hi else "%s-%s" % (lo, hi)))
+        where = "; ".join("%s: %s" % (what, ", ".join(found)) for what, found in spans.items())
+        lines.append("| `%s` | %s | %s | %s |" % (p.name, families, p.summary, where))
+    return "\n".join(lines)
 
 
 def _cmd_fingerprint(args):
@@ -105,6 +125,7 @@ def main(argv=None):
     p.set_defaults(func=_cmd_status)
 
     p = sub.add_parser("list", help="list patches, the families they cover and their targets")
+    p.add_argument("--markdown", action="store_true", help="the README's table of patches")
     p.set_defaults(func=_cmd_list)
 
     p = sub.add_parser("fingerprint", help="fingerprint a function in a released source file")

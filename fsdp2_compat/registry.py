@@ -40,8 +40,8 @@ def _selection_patch(name, summary, model_types):
 PATCHES = (
     Patch(
         name="glm4v",
-        summary="aten.grid_sampler_2d got mixed torch.Tensor and DTensor (vision position_embedding read raw); "
-        "verl fused forward reads a sharded lm_head.weight",
+        summary="`aten.grid_sampler_2d.default got mixed torch.Tensor and DTensor` at the first forward (the "
+        "vision `position_embedding` is read raw); with verl's `use_fused_kernels`, also its sharded `lm_head.weight` read",
         model_types={"glm4v": "GLM-4.1V", "glm4v_moe": "GLM-4.5V", "glm46v": "GLM-4.6V"},
         # verl serves GLM-4.5V / GLM-4.6V (glm4v_moe) through dense_common's fused forward.
         targets=WRAP_SELECTION + verl.GLM4V_FUSED + verl.DENSE_FUSED,
@@ -50,8 +50,8 @@ PATCHES = (
     ),
     Patch(
         name="qwen3vl",
-        summary="verl fused forward: aten.mm mixed Tensor/DTensor (0.7.1-0.8.0) or unaveraged lm_head "
-        "gradient from plain full_tensor() (0.9.x)",
+        summary="verl fused kernels: `aten.mm.default` mixed Tensor/DTensor (0.7.1-0.8.0); silently **unaveraged "
+        "`lm_head` gradient** from plain `full_tensor()` (0.9.x), and with a bf16 policy a dtype-mismatch crash",
         model_types={"qwen3_vl": "Qwen3-VL", "qwen3_vl_moe": "Qwen3-VL-MoE"},
         targets=verl.QWEN3_VL_FUSED,
         references=_LM_HEAD_REFS,
@@ -59,7 +59,7 @@ PATCHES = (
     ),
     Patch(
         name="qwen2vl",
-        summary="verl fused forward reads a sharded lm_head.weight (aten.mm mixed Tensor/DTensor)",
+        summary="verl fused kernels: `aten.mm.default` mixed Tensor/DTensor (the sharded `lm_head.weight` is read raw)",
         model_types={"qwen2_vl": "Qwen2-VL", "qwen2_5_vl": "Qwen2.5-VL"},
         targets=verl.QWEN2_VL_FUSED,
         references=_LM_HEAD_REFS,
@@ -67,7 +67,7 @@ PATCHES = (
     ),
     Patch(
         name="qwen35",
-        summary="verl fused forward: unaveraged lm_head gradient from plain full_tensor()",
+        summary="verl fused kernels: unaveraged `lm_head` gradient (plain `full_tensor()`)",
         model_types={"qwen3_5": "Qwen3.5", "qwen3_5_moe": "Qwen3.5-MoE"},
         targets=verl.QWEN3_5_FUSED,
         references=_LM_HEAD_REFS,
@@ -75,7 +75,7 @@ PATCHES = (
     ),
     Patch(
         name="textlm",
-        summary="verl fused forward for text-only models reads a sharded lm_head.weight (aten.mm mixed Tensor/DTensor)",
+        summary="verl fused kernels: `aten.mm.default` mixed Tensor/DTensor (the sharded `lm_head.weight` is read raw)",
         model_types={"qwen2": "Qwen2 / Qwen2.5", "qwen3": "Qwen3", "llama": "Llama"},
         note="and any other text-only causal LM verl serves through its dense_common fused forward",
         targets=verl.DENSE_FUSED,
@@ -84,29 +84,29 @@ PATCHES = (
     ),
     _selection_patch(
         "lfm2vl",
-        "fully_shard TypeError / aten.mm mixed Tensor and DTensor (SigLIP2 position_embedding read raw)",
+        "wrap-time `RuntimeError: Cannot concatenate overlapping meshes` (transformers 5.x), or a mixed "
+        "Tensor/DTensor read of the SigLIP2 `position_embedding` (untied checkpoints)",
         {"lfm2_vl": "LFM2-VL"},
     ),
     _selection_patch(
         "qwen2audio",
-        "fully_shard overlapping-mesh error (nested layer classes) / aten.add mixed Tensor and DTensor "
-        "(audio embed_positions read raw)",
+        "wrap-time overlapping-mesh error (nested layer classes), then an `aten.add.Tensor` mixed read of "
+        "`embed_positions.weight`",
         {"qwen2_audio": "Qwen2-Audio"},
     ),
     _selection_patch(
         "voxtral",
-        "aten.add got mixed torch.Tensor and DTensor (audio embed_positions read raw)",
+        "`aten.add.Tensor got mixed torch.Tensor and DTensor` (audio `embed_positions` read raw)",
         {"voxtral": "Voxtral"},
     ),
     _selection_patch(
         "audioflamingo3",
-        "fully_shard overlapping-mesh error (nested layer classes) / aten.add mixed Tensor and DTensor "
-        "(audio embed_positions read raw)",
+        "as Qwen2-Audio: wrap-time overlapping-mesh error, then an `aten.add.Tensor` mixed read",
         {"audioflamingo3": "AudioFlamingo3"},
     ),
     _selection_patch(
         "paddleocrvl",
-        "aten.add got mixed torch.Tensor and DTensor (vision position_embedding read raw)",
+        "`aten.add.Tensor got mixed torch.Tensor and DTensor` (vision `position_embedding` read raw)",
         {"paddleocr_vl": "PaddleOCR-VL"},
     ),
 )
@@ -170,3 +170,24 @@ def sibling(target, version, patch_names):
                 if guards.in_range(version, other.versions):
                     return other
     return None
+
+
+def where(p):
+    """``[(what, dist, first release, last release)]`` of the code ``p`` covers, from its fingerprints.
+
+    ``what`` is the target's description up to any parenthesis (``"FSDP2 wrap
+    selection (inline loop)"`` and ``"FSDP2 wrap selection"`` are one seam
+    kind); releases come from the fingerprint labels (``"0.6.0-0.7.1"``): the
+    code the patch is known to fit.
+    """
+    from packaging.version import Version
+
+    spans = {}
+    for t in p.targets:
+        what = t.what.split(" (")[0]
+        releases = [Version(v) for label in t.fingerprints for v in label.split("-")]
+        lo, hi = spans.get((what, t.dist), (None, None))
+        lo = min([x for x in (lo, min(releases)) if x is not None])
+        hi = max([x for x in (hi, max(releases)) if x is not None])
+        spans[(what, t.dist)] = (lo, hi)
+    return [(what, dist, str(lo), str(hi)) for (what, dist), (lo, hi) in spans.items()]

@@ -107,7 +107,7 @@ def _fused(model_module, backend, versions, fingerprints):
         versions=versions,
         fingerprints=fingerprints,
         seam=_READER,
-        what="fused %s forward reads lm_head.weight" % backend,
+        what="fused forward reads lm_head.weight (%s backend)" % backend,
         diff="%s-lm-head" % model_module,
     )
 

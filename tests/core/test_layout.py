@@ -1,0 +1,102 @@
+"""The package's shape, read from its source (no import of the package beyond this test's own).
+
+- no module over 500 lines;
+- no import circle between the package's modules (module-level and
+  function-level imports alike);
+- the runtime core imports only the standard library and itself at module
+  top (it runs at interpreter start-up);
+- nothing in the wheel imports the test-suite's helpers.
+"""
+
+import ast
+import os
+import sys
+
+import pytest
+
+PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "fsdp2_compat")
+MAX_LINES = 500
+
+
+def _modules():
+    """``{dotted name: path}`` of every module in the package."""
+    out = {}
+    for base, _, files in os.walk(PACKAGE):
+        for f in files:
+            if f.endswith(".py"):
+                rel = os.path.relpath(os.path.join(base, f), os.path.dirname(PACKAGE))[:-3].replace(os.sep, ".")
+                out[rel[: -len(".__init__")] if rel.endswith(".__init__") else rel] = os.path.join(base, f)
+    return out
+
+
+MODULES = _modules()
+
+
+def _imports(name, path, top_level_only=False):
+    """Modules of the package (and others, as given) that ``name`` imports."""
+    tree = ast.parse(open(path, encoding="utf-8").read())
+    is_pkg = path.endswith("__init__.py")
+    package = name if is_pkg else name.rpartition(".")[0]
+    nodes = tree.body if top_level_only else ast.walk(tree)
+    out = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module
+            out.add(mod)
+            for alias in node.names:  # ``from . import engine`` imports a submodule
+                if "%s.%s" % (mod, alias.name) in MODULES:
+                    out.add("%s.%s" % (mod, alias.name))
+    return out
+
+
+def test_no_module_is_over_500_lines():
+    long = {n: sum(1 for _ in open(p, encoding="utf-8")) for n, p in MODULES.items()}
+    assert {n: k for n, k in long.items() if k > MAX_LINES} == {}
+
+
+def test_no_import_circle_inside_the_package():
+    graph = {}
+    for name, path in MODULES.items():
+        # A module's own parent packages are imported implicitly first; an edge to
+        # them is not a dependency on their contents.
+        parents = {name.rsplit(".", k)[0] for k in range(1, name.count(".") + 1)}
+        graph[name] = {m for m in _imports(name, path) if m in MODULES and m != name and m not in parents}
+    cycles, state = [], {}
+
+    def visit(node, stack):
+        state[node] = "active"
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "active":
+                cycles.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, stack + [nxt])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert cycles == []
+
+
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if n.startswith("fsdp2_compat.core")) + [
+    "fsdp2_compat", "fsdp2_compat.auto", "fsdp2_compat.registry", "fsdp2_compat.activation.bootstrap"])
+def test_the_start_up_path_imports_only_the_standard_library_at_module_top(name):
+    stdlib = set(sys.stdlib_module_names)
+    for mod in _imports(name, MODULES[name], top_level_only=True):
+        assert mod.split(".")[0] in stdlib or mod.startswith("fsdp2_compat"), (name, mod)
+        if mod.startswith("fsdp2_compat"):
+            assert not mod.startswith(("fsdp2_compat.tooling", "fsdp2_compat.fixes")), (name, mod)
+
+
+def test_the_wheel_holds_no_test_only_code():
+    for name, path in MODULES.items():
+        for mod in _imports(name, path):
+            assert mod.split(".")[0] not in ("tests", "support", "conftest"), (name, mod)
+    assert not any(n.startswith("fsdp2_compat.examples") for n in MODULES)
