@@ -49,11 +49,15 @@ def _cmd_status(args):
     else:
         print("requested: %s" % (", ".join(chosen) or "none"))
         print(format_table(rows))
+        from .core.status import legend
+
+        for outcome, meaning in legend(rows):
+            print("  %-34s %s" % (outcome, meaning))
         for module, error in errors.items():
             print("could not import %s: %s" % (module, error))
         for line in activation["lines"]:
             print(line)
-    bad = [r for r in rows if r["outcome"] in (engine.FAILED, engine.DRIFTED)]
+    bad = [r for r in rows if r["outcome"] in engine.PROBLEMS]
     return 1 if bad else 0
 
 

@@ -10,7 +10,7 @@ map from a model to its patch.  ``fsdp2-compat list`` and ``check``, the
 auditor's advice, the tests' parametrisations and the README table are
 derived from it (``for_model_type``, ``selection_model_types``).
 
-Rules that need the whole catalogue live here too (``sibling_covers``).
+Rules that need the whole catalogue live here too (``siblings``).
 """
 
 from .integrations import skyrl, verl
@@ -134,9 +134,14 @@ def targets():
 
 
 def for_model_type(model_type):
-    """The patch listed for ``model_type`` (a transformers ``config.model_type``), or None."""
+    """The patch listed for ``model_type`` (a transformers ``config.model_type``), or None.
+
+    transformers spells a few types with a hyphen in some releases (``lfm2-vl``
+    in 4.57, ``lfm2_vl`` in 5.x); the catalogue uses underscores.
+    """
+    key = (model_type or "").replace("-", "_")
     for p in PATCHES:
-        if model_type in p.model_types:
+        if key in p.model_types:
             return p
     return None
 
@@ -152,24 +157,20 @@ def selection_model_types():
     return {mt: p.name for p in PATCHES if fixes_selection(p) for mt in p.model_types}
 
 
-def sibling(target, version, patch_names):
-    """The other target of one of ``patch_names`` that patches the same module for ``version``, or None.
+def siblings(target, patch_names):
+    """The other targets of ``patch_names`` that patch the same module as ``target``.
 
     verl's wrap selection moved from an inline loop (``apply_fsdp2``, up to
     0.7.0) to ``_select_fsdp2_wrap_targets`` (0.7.1+): a patch carries one
-    target per layout, and on any release only one of them applies.  The
-    other is then "another seam", not a refusal (engine and status both ask).
+    target per code layout, and any release's code fits only one of them.
+    The other is then "another seam", not a refusal (``core.policy``).
     """
-    from .core import guards
-
-    if not version:
-        return None
-    for name in patch_names:
+    out = []
+    for name in sorted(patch_names):
         for other in patch(name).targets:
-            if other is not target and other.dist == target.dist and other.module == target.module:
-                if guards.in_range(version, other.versions):
-                    return other
-    return None
+            if other is not target and other.dist == target.dist and other.module == target.module and other not in out:
+                out.append(other)
+    return out
 
 
 def where(p):

@@ -14,8 +14,9 @@ One owner for each name and each policy:
   * implicit (the start-up ``.pth``, the verl plugin, the Ray hook): unset or
     blank means *nothing*, because an installed package must never change
     training on its own.
-- ``FSDP2_COMPAT_STRICT``: turn a requested patch that cannot apply into an
-  error (``strict_from_env``).
+- ``FSDP2_COMPAT_STRICT``: ``1`` turns a requested patch that cannot apply
+  (unknown code, a failure) into an error; ``proven`` also refuses code
+  outside the proven range (``strict_setting``, ``core.policy.strict_level``).
 - ``FSDP2_COMPAT_DISABLE_BOOTSTRAP``: keep the ``.pth`` inert while the
   variable still reaches the other ways in.
 
@@ -88,9 +89,16 @@ def bootstrap_disabled(environ=None):
     return is_true(_environ(environ).get(DISABLE_BOOTSTRAP_ENV))
 
 
+def strict_setting(environ=None):
+    """``FSDP2_COMPAT_STRICT`` as written (``None`` when unset): ``1`` / ``true`` ... or ``proven``."""
+    value = _environ(environ).get(STRICT_ENV)
+    return value.strip() if value is not None and value.strip() else None
+
+
 def strict_from_env(environ=None):
-    """True when ``FSDP2_COMPAT_STRICT`` asks for skips and failures to raise."""
-    return is_true(_environ(environ).get(STRICT_ENV))
+    """True when ``FSDP2_COMPAT_STRICT`` asks for refusals and failures to raise (``1`` or ``proven``)."""
+    value = strict_setting(environ)
+    return value is not None and (is_true(value) or value.lower() == "proven")
 
 
 def parse_selection(text, known):

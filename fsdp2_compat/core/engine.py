@@ -10,11 +10,13 @@ the module is already loaded).  Every decision is an ``Outcome`` that says
 what was required and what was found.
 
 Fail-safe rules:
-- a seam is swapped only if the installed release is in the target's range
-  and the code there has a known fingerprint;
+- a seam is swapped only where the installed code has a recorded
+  fingerprint (``policy``: the code decides; a release outside the proven
+  range is applied with a note, unknown code is refused with a warning);
 - all attributes of a seam and their aliases change together or not at all;
-- a failing or skipped patch never breaks the user's import, unless
-  ``FSDP2_COMPAT_STRICT=1`` (or ``strict=True``) asks for an error.
+- a failing or refused patch never breaks the user's import, unless
+  ``FSDP2_COMPAT_STRICT=1`` (or ``strict=True``) asks for an error
+  (``FSDP2_COMPAT_STRICT=proven``: code outside the proven range too).
 
 This module is imported by ``fsdp2_compat.auto``: stdlib only at top level.
 """
@@ -22,61 +24,27 @@ This module is imported by ``fsdp2_compat.auto``: stdlib only at top level.
 import sys
 import _thread
 
-from . import config, hooks
+from . import config, hooks, policy
 
-APPLIED = "applied"
-WAITING = "waiting for import"
-NOT_INSTALLED = "skipped: not installed"
-VERSION = "skipped: version"
-DRIFTED = "skipped: upstream code drifted"
-NOT_NEEDED = "not needed"
-FAILED = "failed"
-REVERTED = "reverted"
-NOT_REQUESTED = "not requested"
-
-# Outcomes that mean "the user asked for this and did not get it".
-_PROBLEMS = (VERSION, DRIFTED, FAILED)
+from .outcomes import (  # noqa: F401  (re-exported: callers say engine.APPLIED)
+    APPLIED,
+    DRIFTED,
+    FAILED,
+    NOT_INSTALLED,
+    NOT_NEEDED,
+    NOT_REQUESTED,
+    OTHER_SEAM,
+    PROBLEMS,
+    REVERTED,
+    VERSION,
+    WAITING,
+    Outcome,
+    diff_path,
+)
 
 
 class Fsdp2CompatError(RuntimeError):
     """A requested patch could not be applied and strict mode is on."""
-
-
-def diff_path(target, version):
-    """Repository path of the source diff equivalent to ``target`` for ``version``."""
-    if not target.diff or not version:
-        return None
-    return "patches/%s/%s/%s.diff" % (target.dist, version, target.diff)
-
-
-class Outcome:
-    """What happened to one target, and why."""
-
-    __slots__ = ("target", "kind", "found", "detail")
-
-    def __init__(self, target, kind, found=None, detail=""):
-        self.target = target
-        self.kind = kind
-        self.found = found
-        self.detail = detail
-
-    def as_dict(self):
-        t = self.target
-        return {
-            "target": t.key,
-            "dist": t.dist,
-            "module": t.module,
-            "attr": t.attr,
-            "what": t.what,
-            "required": t.versions,
-            "found": self.found,
-            "outcome": self.kind,
-            "detail": self.detail,
-            "diff": diff_path(t, self.found),
-        }
-
-    def __repr__(self):
-        return "Outcome(%s: %s%s)" % (self.target.key, self.kind, " - " + self.detail if self.detail else "")
 
 
 class _Applied:
@@ -103,7 +71,7 @@ class _TargetState:
 
 _lock = _thread.RLock()
 _states = {}  # target key -> _TargetState
-_requested = {}  # patch name -> strict flag
+_requested = {}  # patch name -> strict level (policy.STRICT_*)
 _replacements = {}  # id(replacement) -> target key, for "is this ours?"
 
 
@@ -180,16 +148,15 @@ def apply(names=None, strict=None):
     """Request patches; each target applies when its module is imported.
 
     ``names``: None (all), a selection string (``"glm4v,-qwen3vl"``) or an
-    iterable of names.  ``strict`` defaults to ``FSDP2_COMPAT_STRICT``.
-    Returns the tuple of names requested.  Idempotent.
+    iterable of names.  ``strict`` (True, ``"proven"``, False) defaults to
+    ``FSDP2_COMPAT_STRICT``.  Returns the tuple of names requested.  Idempotent.
     """
     chosen = resolve_names(names)
-    if strict is None:
-        strict = config.strict_from_env()
+    level = policy.strict_level(config.strict_setting() if strict is None else strict)
     registry = _registry()
     with _lock:
         for name in chosen:
-            _requested[name] = bool(strict) or _requested.get(name, False)
+            _requested[name] = policy.stricter(level, _requested.get(name))
         pending = []
         for name in chosen:
             for target in registry.patch(name).targets:
@@ -213,11 +180,14 @@ def _make_hook(state):
             if state.hook is not on_import:  # cancelled by revert meanwhile
                 return
             state.hook = None
-            outcome = _settle(state, module)
+            level = None
+            for name in state.patches:
+                level = policy.stricter(_requested.get(name), level)
+            outcome = _settle(state, module, level)
             state.outcome = outcome
-            strict = any(_requested.get(p) for p in state.patches)
-        _report(outcome)
-        if strict and _is_problem(state, outcome):
+            patches = sorted(state.patches)
+        _report(outcome, patches)
+        if level is not None and outcome.kind in PROBLEMS:
             raise Fsdp2CompatError(
                 "fsdp2-compat (strict): %s for %s: %s" % (outcome.kind, outcome.target.key, outcome.detail)
             )
@@ -225,15 +195,7 @@ def _make_hook(state):
     return on_import
 
 
-def _is_problem(state, outcome):
-    if outcome.kind not in _PROBLEMS:
-        return False
-    # Out of range for this seam is fine when a sibling seam of the same
-    # patch covers the installed release (e.g. the pre-0.7.1 verl seam).
-    return not (outcome.kind == VERSION and _registry().sibling(state.target, outcome.found, state.patches) is not None)
-
-
-def _report(outcome):
+def _report(outcome, patches=()):
     log = _log()
     message = "%s %s (%s): %s%s" % (
         outcome.target.key,
@@ -242,14 +204,25 @@ def _report(outcome):
         outcome.kind,
         " - " + outcome.detail if outcome.detail else "",
     )
-    if outcome.kind == FAILED:
+    if outcome.kind in (DRIFTED, VERSION) and patches:
+        # Requested and refused: never silent.  One line on stderr, and the
+        # WARNING on our logger (which Python prints itself when no handler
+        # is configured: then not twice).
+        line = policy.refusal_message(patches, outcome.target, outcome.found, outcome.detail)
+        log.warning(line)
+        if log.hasHandlers():
+            try:
+                sys.stderr.write(line + "\n")
+            except Exception:
+                pass
+    elif outcome.kind == FAILED:
         log.warning(message)
     else:
         log.info(message)
 
 
-def _settle(state, module):
-    """Decide and, if everything checks out, apply one target. Never raises."""
+def _settle(state, module, strict=None):
+    """Decide (``policy.judge``) and, if the code is known, apply one target. Never raises."""
     from . import guards
 
     target = state.target
@@ -258,27 +231,11 @@ def _settle(state, module):
         found = guards.installed_version(target.dist)
         if found is None:
             return Outcome(target, NOT_INSTALLED, None, "%s is imported but %s has no installed metadata" % (target.module, target.dist))
-        if target.fixed_in and guards.in_range(found, target.fixed_in):
-            return Outcome(target, NOT_NEEDED, found, "fixed upstream in %s %s" % (target.dist, target.fixed_in))
-        if not guards.in_range(found, target.versions):
-            return Outcome(target, VERSION, found, "required %s %s, found %s" % (target.dist, target.versions, found))
-        current = lookup(module, target.attr)
-        if current is None:
-            return Outcome(target, DRIFTED, found, "%s has no attribute %r" % (target.module, target.attr))
-        if is_ours(current):
-            return Outcome(target, APPLIED, found, "already patched")
-        try:
-            fp = guards.fingerprint(current)
-        except LookupError as exc:
-            return Outcome(target, DRIFTED, found, "cannot verify %s.%s: %s" % (target.module, target.attr, exc))
-        if fp not in target.fingerprints.values():
-            known = ", ".join("%s=%s" % kv for kv in target.fingerprints.items())
-            return Outcome(
-                target,
-                DRIFTED,
-                found,
-                "%s.%s has fingerprint %s, expected one of: %s" % (target.module, target.attr, fp, known),
-            )
+        if is_ours(lookup(module, target.attr)):
+            return Outcome(target, APPLIED, found, "already patched", proven=guards.in_range(found, target.versions))
+        verdict = policy.judge(target, module, found, _siblings(state), lookup, strict)
+        if verdict.action != policy.APPLY:
+            return Outcome(target, verdict.kind, found, verdict.detail)
         applied = _swap(target, module)
     except guards.Drift as exc:
         return Outcome(target, DRIFTED, found, str(exc))
@@ -289,7 +246,14 @@ def _settle(state, module):
     detail = "replaced %s.%s" % (target.module, ", ".join(a for a, _, _ in applied.swaps))
     if rebound:
         detail += "; rebound aliases in " + ", ".join(rebound)
-    return Outcome(target, APPLIED, found, detail)
+    if verdict.detail:
+        detail = verdict.detail + "; " + detail
+    return Outcome(target, APPLIED, found, detail, proven=verdict.proven)
+
+
+def _siblings(state):
+    """Other targets of the requesting patches that patch the same module (one per code layout)."""
+    return _registry().siblings(state.target, state.patches)
 
 
 def _resolve(dotted):
@@ -425,4 +389,4 @@ def outcomes(names=None):
 def is_applied(name):
     """True when every target of ``name`` that met its module is applied."""
     rows = [o for n, o in outcomes([name])]
-    return any(o.kind == APPLIED for o in rows) and not any(o.kind in (FAILED, DRIFTED) for o in rows)
+    return any(o.kind == APPLIED for o in rows) and not any(o.kind in PROBLEMS for o in rows)

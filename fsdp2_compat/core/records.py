@@ -23,21 +23,29 @@ class Target:
     attr          the object replaced, and the one whose code is fingerprinted:
                   a module global (``apply_fsdp2``) or a method of a module-level
                   class (``FSDP2Engine.prepare_model``)
-    versions      PEP 440 specifier string the seam was verified on
+    versions      the proven range: PEP 440 specifier of the releases the fix was
+                  proven on (tests on real FSDP2).  The gate is the code, not
+                  this range: see ``fsdp2_compat.core.policy``
     fingerprints  {release label: source fingerprint of ``module.attr``}
-                  (see ``fsdp2_compat.core.guards.fingerprint``)
+                  (see ``fsdp2_compat.core.guards.fingerprint``); a label names
+                  the releases with that code (``"0.6.0-0.7.1"``)
     seam          ``"pkg.mod:function"``; ``function(module, attr)`` returns
                   ``{attr: replacement, ...}`` for every attribute it swaps
                   (names as ``attr`` is spelled: module globals, or
                   ``Class.method`` on the same class)
     fixed_in      specifier of releases that carry the fix (patch not needed)
+    declared      {specifier: reason} for releases known to have nothing to patch
+                  here (the module or function does not exist, or upstream's
+                  code there is already right): the release census requires
+                  every published release to be fingerprinted, fixed or declared
     diff          stem of the equivalent source diff: the file for release X is
                   ``patches/<dist>/<X>/<diff>.diff`` in the repository
     """
 
-    __slots__ = ("dist", "module", "attr", "versions", "fingerprints", "seam", "fixed_in", "diff", "what")
+    __slots__ = ("dist", "module", "attr", "versions", "fingerprints", "seam", "fixed_in", "declared", "diff", "what")
 
-    def __init__(self, dist, module, attr, versions, fingerprints, seam, what, fixed_in=None, diff=None):
+    def __init__(self, dist, module, attr, versions, fingerprints, seam, what, fixed_in=None, diff=None,
+                 declared=None):
         self.dist = dist
         self.module = module
         self.attr = attr
@@ -46,6 +54,7 @@ class Target:
         self.seam = seam
         self.what = what
         self.fixed_in = fixed_in
+        self.declared = dict(declared or {})
         self.diff = diff
 
     @property

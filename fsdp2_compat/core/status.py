@@ -1,6 +1,6 @@
 """What fsdp2-compat did in this process, as rows for people and machines."""
 
-from . import engine, guards
+from . import engine, guards, policy
 
 
 def status(names=None):
@@ -26,18 +26,40 @@ def status(names=None):
             row["found"] = versions[dist]
         if outcome.kind in (engine.WAITING, engine.NOT_REQUESTED) and versions[dist] is None:
             row["outcome"] = engine.NOT_INSTALLED
-        elif outcome.kind == engine.WAITING and not guards.in_range(versions[dist], outcome.target.versions):
-            # Its module will never be imported from this release (e.g. renamed).
-            row["outcome"] = "not for this release"
-            row["detail"] = "required %s %s, found %s" % (dist, outcome.target.versions, versions[dist])
+        elif outcome.kind == engine.WAITING:
+            reason = policy.declared_reason(outcome.target, versions[dist])
+            if reason is not None:  # the catalogue knows this release has nothing to patch here
+                row["outcome"] = NOT_FOR_THIS_RELEASE
+                row["detail"] = "%s %s: %s" % (dist, versions[dist], reason)
         live = row["outcome"] in (engine.APPLIED, engine.WAITING) and row["found"] and guards.in_range(
             row["found"], outcome.target.versions
         )
         row["diff"] = _existing_diff(engine.diff_path(outcome.target, row["found"])) if live else None
-        if row["outcome"] == engine.VERSION:
-            _mark_sibling_seam(row, outcome.target, name)
         rows.append(row)
     return rows
+
+
+NOT_FOR_THIS_RELEASE = "not for this release"
+
+LEGEND = {
+    engine.APPLIED: "patched (proven: inside the release range the fix was proven on; otherwise the code is "
+                    "identical to a proven release's)",
+    engine.WAITING: "requested; applies when its module is imported",
+    engine.OTHER_SEAM: "another target of the same patch fits this release's code",
+    engine.NOT_NEEDED: "this release carries the fix or does not need it",
+    NOT_FOR_THIS_RELEASE: "the catalogue records that this release has no such code",
+    engine.DRIFTED: "requested, but the installed code matches no recorded fingerprint: left untouched "
+                    "(pin a known release, upgrade fsdp2-compat, or FSDP2_COMPAT_STRICT=1 to fail)",
+    engine.VERSION: "known code outside the proven range, refused because FSDP2_COMPAT_STRICT=proven",
+    engine.FAILED: "the patch raised; nothing was changed",
+    engine.NOT_INSTALLED: "the distribution is not installed",
+}
+
+
+def legend(rows):
+    """``[(outcome, meaning)]`` for the outcomes present in ``rows``, in a fixed order."""
+    present = {r["outcome"] for r in rows}
+    return [(k, v) for k, v in LEGEND.items() if k in present]
 
 
 def _existing_diff(path):
@@ -51,17 +73,6 @@ def _existing_diff(path):
     if os.path.isdir(os.path.join(repo, "patches")) and not os.path.exists(os.path.join(repo, path)):
         return None
     return path
-
-
-def _mark_sibling_seam(row, target, patch_name):
-    """An out-of-range seam whose release another seam of the patch covers is not a skip."""
-    from .. import registry
-
-    other = registry.sibling(target, row["found"], [patch_name])
-    if other is not None:
-        row["outcome"] = "other seam"
-        row["diff"] = _existing_diff(engine.diff_path(other, row["found"]))
-        row["detail"] = "%s %s uses the %s seam" % (row["dist"], row["found"], other.attr)
 
 
 def format_table(rows, columns=("patch", "dist", "found", "required", "what", "outcome", "diff", "detail")):

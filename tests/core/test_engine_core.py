@@ -98,15 +98,90 @@ def test_drifted_upstream_code_is_skipped_and_left_untouched(toy, monkeypatch):
     assert toy.fp_select in outcome.detail and "0000000000000000" in outcome.detail
 
 
-def test_version_outside_the_range_says_required_and_found(toy, monkeypatch):
+def test_known_code_outside_the_proven_range_is_applied_and_says_so(toy, monkeypatch):
+    """A release after the pins with byte-identical code is covered the day it ships."""
     toy.register(monkeypatch, toy.patch())
-    monkeypatch.setattr(toy.select, "versions", ">=2.0")
+    monkeypatch.setattr(toy.select, "versions", ">=1.0,<=1.1")  # proven up to 1.1; 1.2.0 is installed
     utils = toy.import_utils()
-    original = utils.select
     fsdp2_compat.apply("toy")
     outcome = outcome_of(toy.select)
-    assert outcome.kind == engine.VERSION and utils.select is original
-    assert "required f2c-toy >=2.0" in outcome.detail and "found 1.2.0" in outcome.detail
+    assert outcome.kind == engine.APPLIED and outcome.proven is False
+    assert "code identical to the 1.0-1.2 release" in outcome.detail
+    assert "f2c-toy 1.2.0 not in the proven range >=1.0,<=1.1" in outcome.detail
+    assert engine.is_ours(utils.select)
+    assert outcome.as_dict()["proven"] is False
+
+
+def test_inside_the_proven_range_the_outcome_is_proven(toy, monkeypatch):
+    toy.register(monkeypatch, toy.patch())
+    toy.import_utils()
+    fsdp2_compat.apply("toy")
+    outcome = outcome_of(toy.select)
+    assert outcome.kind == engine.APPLIED and outcome.proven is True and "proven range" not in outcome.detail
+
+
+def test_strict_proven_refuses_code_outside_the_proven_range(toy, monkeypatch):
+    toy.register(monkeypatch, toy.patch())
+    monkeypatch.setattr(toy.select, "versions", ">=1.0,<=1.1")
+    utils = toy.import_utils()
+    original = utils.select
+    with pytest.raises(fsdp2_compat.Fsdp2CompatError, match="outside the proven range"):
+        fsdp2_compat.apply("toy", strict="proven")
+    assert utils.select is original
+    # FSDP2_COMPAT_STRICT=1 alone does not: known code applies.
+    fsdp2_compat.revert()
+    fsdp2_compat.apply("toy", strict=True)
+    assert engine.is_ours(utils.select)
+
+
+def test_unknown_code_of_a_requested_patch_is_refused_loudly_once(toy, monkeypatch, capsys, caplog):
+    toy.register(monkeypatch, toy.patch())
+    monkeypatch.setattr(toy.select, "fingerprints", {"1.0-1.1": "0000000000000000"})
+    fsdp2_compat.apply("toy")
+    with caplog.at_level("WARNING", logger="fsdp2_compat"):
+        utils = toy.import_utils()
+    assert not engine.is_ours(utils.select)
+    [record] = [r for r in caplog.records if r.name == "fsdp2_compat" and r.levelname == "WARNING"]
+    message = record.getMessage()
+    for part in ("patch toy NOT applied to f2c-toy 1.2.0", toy.fp_select, "0000000000000000",
+                 "Pin a release", "upgrade fsdp2-compat", "FSDP2_COMPAT_STRICT=1"):
+        assert part in message, part
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [message]  # exactly one line on stderr
+
+
+def test_patches_not_requested_stay_quiet(toy, monkeypatch, capsys, caplog):
+    toy.register(monkeypatch, toy.patch())
+    monkeypatch.setattr(toy.select, "fingerprints", {"1.0-1.1": "0000000000000000"})
+    with caplog.at_level("WARNING", logger="fsdp2_compat"):
+        toy.import_utils()
+    assert caplog.records == [] and capsys.readouterr().err == ""
+
+
+def test_a_sibling_target_that_fits_the_code_makes_the_other_one_a_seam_not_a_refusal(toy, monkeypatch, capsys):
+    """Two targets in one module, one per code layout: whichever fits applies, the other stays quiet."""
+    layout_b = type(toy.select)(
+        dist="f2c-toy", module="f2c_toy.utils", attr="helper", versions=">=2.0",
+        fingerprints={"2.x": "0000000000000000"}, seam="toy_seams:seam", what="toy selection (other layout)")
+    toy.register(monkeypatch, toy.patch(layout_b, toy.select))
+    toy.import_utils()
+    fsdp2_compat.apply("toy")
+    assert outcome_of(toy.select).kind == engine.APPLIED
+    other = outcome_of(layout_b)
+    assert other.kind == engine.OTHER_SEAM and "uses the select seam (code of the 1.0-1.2 release)" in other.detail
+    assert capsys.readouterr().err == ""
+    assert engine.is_applied("toy")
+
+
+def test_a_release_declared_not_to_need_the_target_is_not_a_refusal(toy, monkeypatch, capsys):
+    toy.register(monkeypatch, toy.patch())
+    monkeypatch.setattr(toy.select, "fingerprints", {"1.0-1.1": "0000000000000000"})
+    monkeypatch.setattr(toy.select, "declared", {">=1.2": "the selection here is already right"})
+    toy.import_utils()
+    fsdp2_compat.apply("toy")
+    outcome = outcome_of(toy.select)
+    assert outcome.kind == engine.NOT_NEEDED and "already right" in outcome.detail
+    assert capsys.readouterr().err == ""
 
 
 def test_fixed_upstream_release_is_not_needed(toy, monkeypatch):
@@ -205,7 +280,7 @@ def test_strict_mode_turns_a_skip_into_an_error(toy, monkeypatch):
     monkeypatch.setattr(toy.select, "fingerprints", {"imaginary": "0000000000000000"})
     utils = toy.import_utils()
     original = utils.select
-    with pytest.raises(fsdp2_compat.Fsdp2CompatError, match="drifted"):
+    with pytest.raises(fsdp2_compat.Fsdp2CompatError, match="unknown upstream code"):
         fsdp2_compat.apply("toy", strict=True)
     assert utils.select is original
 

@@ -17,6 +17,7 @@ def test_every_model_type_is_listed_by_exactly_one_patch():
     for mt, name in seen.items():
         assert registry.for_model_type(mt).name == name
     assert registry.for_model_type("no_such_model") is None
+    assert registry.for_model_type("lfm2-vl").name == "lfm2vl"  # transformers 4.57's spelling
 
 
 def test_names_are_unique_and_lowercase():
@@ -42,13 +43,11 @@ def test_every_target_is_well_formed_and_belongs_to_an_integration():
     assert len({t.key for t in registry.targets()}) == len(registry.targets())
 
 
-def test_the_sibling_seam_rule_covers_verl_s_two_selection_layouts():
+def test_siblings_are_the_other_layouts_of_the_same_module():
     inline, current = registry.WRAP_SELECTION[0], registry.WRAP_SELECTION[1]
-    assert registry.sibling(inline, "0.9.1", ["glm4v"]) is current
-    assert registry.sibling(current, "0.7.0", ["glm4v"]) is inline
-    assert registry.sibling(current, "0.9.1", ["glm4v"]) is None  # it covers itself: no sibling needed
-    assert registry.sibling(inline, "0.9.1", ["qwen3vl"]) is None  # qwen3vl has no selection seam
-    assert registry.sibling(inline, None, ["glm4v"]) is None
+    assert registry.siblings(inline, ["glm4v"]) == [current]
+    assert registry.siblings(current, ["glm4v", "voxtral"]) == [inline]
+    assert registry.siblings(inline, ["qwen3vl"]) == []  # qwen3vl has no selection target in that module
 
 
 def test_patch_families_are_derived_from_model_types():

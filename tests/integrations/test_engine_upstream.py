@@ -151,17 +151,37 @@ def test_drifted_upstream_code_is_skipped_and_left_untouched(monkeypatch):
     assert guards.fingerprint(original) in outcome.detail and "0000000000000000" in outcome.detail
 
 
-def test_version_outside_the_range_says_required_and_found(monkeypatch):
+def test_a_release_outside_the_proven_range_with_known_code_is_applied_with_a_note(monkeypatch):
+    """The day a new release ships with the same code, it is patched, and status says it is unproven."""
     import verl.utils.fsdp_utils as fu
 
     target = verl_selection_target()
     original = fu.__dict__[target.attr]
     monkeypatch.setattr(target, "versions", "<0.0.1")
     fsdp2_compat.apply("glm4v")
-    assert fu.__dict__[target.attr] is original
+    assert fu.__dict__[target.attr] is not original
     [outcome] = [o for n, o in engine.outcomes(["glm4v"]) if o.target is target]
-    assert outcome.kind == engine.VERSION
-    assert "required verl <0.0.1" in outcome.detail and "found %s" % VERL in outcome.detail
+    assert outcome.kind == engine.APPLIED and outcome.proven is False
+    assert "verl %s not in the proven range <0.0.1" % VERL in outcome.detail and "code identical to the" in outcome.detail
+
+
+def test_drifted_code_of_a_requested_patch_warns_on_stderr_at_import(python):
+    proc = python(
+        """
+        import fsdp2_compat.auto
+        from fsdp2_compat import registry
+        for t in registry.WRAP_SELECTION:
+            t.fingerprints = {"0.0.0": "0000000000000000"}
+        import verl.utils.fsdp_utils
+        print("imported")
+        """,
+        env={"FSDP2_COMPAT_PATCHES": "glm4v"},
+    )
+    assert proc.stdout.strip().splitlines()[-1] == "imported"  # never a broken import
+    lines = [l for l in proc.stderr.splitlines() if "NOT applied" in l]
+    # One line per refused target of the selection (both verl layouts are unknown now).
+    assert lines and all("verl %s" % VERL in l and "0000000000000000" in l and "FSDP2_COMPAT_STRICT=1" in l
+                         for l in lines), proc.stderr
 
 
 def test_fixed_upstream_release_is_not_needed(monkeypatch):
@@ -198,7 +218,7 @@ def test_strict_mode_turns_a_skip_into_an_error(monkeypatch):
     target = verl_selection_target()
     original = fu.__dict__[target.attr]
     monkeypatch.setattr(target, "fingerprints", {"imaginary": "0000000000000000"})
-    with pytest.raises(fsdp2_compat.Fsdp2CompatError, match="drifted"):
+    with pytest.raises(fsdp2_compat.Fsdp2CompatError, match="unknown upstream code"):
         fsdp2_compat.apply("glm4v", strict=True)
     assert fu.__dict__[target.attr] is original
 
@@ -224,7 +244,7 @@ def test_strict_from_the_environment_fails_the_import(python):
         check=False,
     )
     assert proc.returncode != 0
-    assert "Fsdp2CompatError" in proc.stderr and "drifted" in proc.stderr
+    assert "Fsdp2CompatError" in proc.stderr and "unknown upstream code" in proc.stderr
 
 
 def test_status_cli_reports_the_applied_patch_as_json(python):
