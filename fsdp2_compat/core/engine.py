@@ -239,6 +239,8 @@ def _settle(state, module, strict=None):
         applied = _swap(target, module)
     except guards.Drift as exc:
         return Outcome(target, DRIFTED, found, str(exc))
+    except guards.NotNeeded as exc:
+        return Outcome(target, NOT_NEEDED, found, str(exc))
     except Exception as exc:  # a broken patch must not break the user's import
         return Outcome(target, FAILED, found, "%s: %s" % (type(exc).__name__, exc))
     state.applied = applied

@@ -6,7 +6,12 @@ so they may use ``importlib.metadata``, ``packaging`` and ``inspect``.
 
 
 class Drift(Exception):
-    """Raised by a seam that finds upstream code it does not expect."""
+    """Raised by a seam that finds upstream code it does not expect (the target is refused)."""
+
+
+class NotNeeded(Exception):
+    """Raised by a seam whose fix this environment does not need (e.g. a transformers
+    release that already does what the seam adapts); the message says why."""
 
 
 def installed_version(dist):

@@ -203,6 +203,16 @@ def test_a_seam_that_throws_is_a_failure_not_a_broken_import(toy, monkeypatch):
     assert not engine.is_ours(utils.select)
 
 
+def test_a_seam_can_say_its_fix_is_not_needed_here(toy, monkeypatch, capsys):
+    toy.register(monkeypatch, toy.patch())
+    monkeypatch.setattr(toy.select, "seam", "toy_seams:seam_not_needed_here")
+    utils = toy.import_utils()
+    fsdp2_compat.apply("toy", strict=True)  # not a problem, even strict
+    outcome = outcome_of(toy.select)
+    assert outcome.kind == engine.NOT_NEEDED and "already does" in outcome.detail
+    assert not engine.is_ours(utils.select) and capsys.readouterr().err == ""
+
+
 def test_failure_midway_leaves_nothing_half_applied(toy, monkeypatch):
     """The seam swaps two globals, then alias rebinding fails: both are restored."""
     toy.register(monkeypatch, toy.patch())

@@ -34,3 +34,9 @@ def method_seam(module, attr):
 
 def broken_seam(module, attr):
     raise RuntimeError("a seam with a bug")
+
+
+def seam_not_needed_here(module, attr):
+    from fsdp2_compat.core.guards import NotNeeded
+
+    raise NotNeeded("this environment already does what the seam adapts")
