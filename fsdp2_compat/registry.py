@@ -44,7 +44,8 @@ PATCHES = (
         "vision `position_embedding` is read raw); with verl's `use_fused_kernels`, also its sharded `lm_head.weight` read",
         model_types={"glm4v": "GLM-4.1V", "glm4v_moe": "GLM-4.5V", "glm46v": "GLM-4.6V"},
         # verl serves GLM-4.5V / GLM-4.6V (glm4v_moe) through dense_common's fused forward.
-        targets=WRAP_SELECTION + verl.GLM4V_FUSED + verl.DENSE_FUSED,
+        # verl's own GLM-4.1V forward runs on the transformers verl admits only with GLM4V_FORWARD.
+        targets=WRAP_SELECTION + verl.GLM4V_FORWARD + verl.GLM4V_FUSED + verl.DENSE_FUSED,
         references=_SELECTION_REFS + _LM_HEAD_REFS,
         delete_when=_SELECTION_DELETE + "; and " + _LM_HEAD_DELETE,
     ),

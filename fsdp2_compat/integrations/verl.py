@@ -14,9 +14,14 @@ rebinds those aliases.
 To support a new release: widen ``versions`` and, if the function changed,
 add ``"<release>": "<fingerprint>"`` (``fsdp2-compat fingerprint FILE NAME``).
 
+Module ``verl.models.transformers.glm4v`` (0.6.0+): verl's GLM-4.1V forward, whose
+``_get_input_embeds`` / ``process_position_ids`` predate transformers 5.0's vision output
+object / postdate 4.x's 3-row rotary ids -> ``fsdp2_compat.fixes.glm4v_forward``.
+
 Upstream: SkyRL issue #2087 / PR #2088 (the selection rule), verl issue #4756 /
-PR #6659 (lm_head reads).  Fails safe: a release outside ``versions`` or code
-whose fingerprint is not listed is skipped with the reason and left untouched.
+PR #6659 (lm_head reads), verl issues #4095 / #6814 (GLM-4.1V forward failures).
+Fails safe: a release outside ``versions`` or code whose fingerprint is not
+listed is skipped with the reason and left untouched.
 Delete a target when ``fixed_in`` would cover every release you run.
 """
 
@@ -85,6 +90,42 @@ def selection_seam(module, attr):
         return select_verl(*args, **kwargs)
 
     return {attr: wrapt.FunctionWrapper(module.__dict__[attr], _select_fsdp2_wrap_targets)}
+
+
+# ---------------------------------------------------------------------------
+# verl's GLM-4.1V forward (``verl/models/transformers/glm4v.py``, 0.6.0+), installed by
+# ``apply_monkey_patch`` on every ``glm4v`` model, fused kernels or not.  It runs as
+# released only on transformers 5.0.0rc0-rc3 (verl issues #4095 / #6814); see
+# ``fsdp2_compat.fixes.glm4v_forward``.  Each seam reports "not needed" where the
+# installed transformers does not need it.
+
+GLM4V_MODULE = "verl.models.transformers.glm4v"
+_NO_GLM4V = {"<0.6.0": "no verl/models/transformers/glm4v.py"}
+
+GLM4V_FORWARD = (
+    Target(
+        dist="verl",
+        module=GLM4V_MODULE,
+        attr="_get_input_embeds",
+        versions="==0.9.1",
+        fingerprints={"0.6.0-0.7.1": "f2e8ade7673659c8", "0.8.0.dev0-0.9.1": "cddf133591ef1fd9"},
+        seam="fsdp2_compat.fixes.glm4v_forward:vision_output_seam",
+        what="GLM-4.1V forward (vision output object, transformers >= 5.0.0)",
+        diff="glm4v-forward",
+        declared=_NO_GLM4V,
+    ),
+    Target(
+        dist="verl",
+        module=GLM4V_MODULE,
+        attr="process_position_ids",
+        versions=">=0.7.0,<=0.8.0",
+        fingerprints={"0.6.0-0.9.1": "bccfd50e9f69d2fe"},
+        seam="fsdp2_compat.fixes.glm4v_forward:position_ids_seam",
+        what="GLM-4.1V forward (4-row position ids, transformers < 5.0.0rc0)",
+        diff="glm4v-forward",
+        declared=_NO_GLM4V,
+    ),
+)
 
 
 # ---------------------------------------------------------------------------

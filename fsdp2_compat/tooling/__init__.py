@@ -5,7 +5,9 @@
 - ``tiny/``       download-free tiny models of every family, and their batches
 - ``ranks``       N CPU gloo ranks in forkserver processes
 - ``scenarios``   training on real FSDP2 against an unsharded data-parallel reference
-- ``verl_batches`` / ``glm4v_bridge``  inputs shaped as verl feeds them
+- ``verl_batches``  inputs shaped as verl feeds them
+- ``subset``      request an exact subset of the catalogue's targets (proofs that isolate one bug)
+- ``engines/``    the frameworks' own training engines on CPU ranks (verl's FSDP engine, SkyRL's FSDPStrategy)
 
 Nothing here is imported by ``import fsdp2_compat`` or at start-up; torch and
 transformers are imported when a function runs.

@@ -120,12 +120,12 @@ def selection_cases(families=None):
 def fused_cases(families=None):
     """``[(family, patch)]``: model types whose patch carries a verl fused-forward target, in the tiny harness.
 
-    GLM-4.1V gets verl's own glm4v forward, which runs for users only where
-    transformers needs no adapting (``glm4v_bridge.needed()``): only there.
+    GLM-4.1V gets verl's own glm4v forward, which the ``glm4v`` patch also
+    makes run on the transformers verl admits.
     """
     from fsdp2_compat import registry
 
-    from . import glm4v_bridge, tiny
+    from . import tiny
 
     out = []
     for p in registry.PATCHES:
@@ -135,8 +135,6 @@ def fused_cases(families=None):
             if families is not None and mt not in families:
                 continue
             if mt not in tiny.FAMILIES or tiny.wrappable(mt) is not True:
-                continue
-            if mt == "glm4v" and glm4v_bridge.needed() is not None:
                 continue
             out.append((mt, p.name))
     return out

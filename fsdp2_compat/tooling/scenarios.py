@@ -17,7 +17,6 @@ and the worst errors (``max |a - b| / (1 + |b|)``) of loss, gradients and
 parameters against the reference.
 """
 
-import contextlib
 import importlib
 import importlib.machinery
 import sys
@@ -249,8 +248,9 @@ def train_fused(rank, world, family, patches, steps=2, mesh_shape=None, bf16=Fal
     which verl forward was installed (``forward``), how often the vision
     tower ran in the sharded forwards and fsdp2-compat's own warnings.
     Batches carry verl's 4-row position ids where its forward takes them
-    (Qwen2-VL family, GLM4V); ``glm4v`` runs inside ``glm4v_bridge.bridge()``:
-    verl's GLM4V forward cannot run on stock transformers.
+    (Qwen2-VL family, GLM4V).  ``patches`` as for ``subset.apply`` (names, or
+    target keys: verl's GLM4V forward runs on most transformers only with the
+    ``glm4v`` patch's forward targets, so GLM4V's "unpatched" side names them).
     """
     import copy
 
@@ -258,11 +258,9 @@ def train_fused(rank, world, family, patches, steps=2, mesh_shape=None, bf16=Fal
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    import fsdp2_compat
-    from fsdp2_compat.tooling import tiny as tiny_models
+    from fsdp2_compat.tooling import subset, tiny as tiny_models
 
-    if patches:
-        fsdp2_compat.apply(patches)
+    subset.apply(patches)
     from verl.models.transformers.monkey_patch import apply_monkey_patch
     from verl.utils import fsdp_utils
     from verl.utils.experimental import torch_functional
@@ -290,11 +288,6 @@ def train_fused(rank, world, family, patches, steps=2, mesh_shape=None, bf16=Fal
     torch_functional.FusedLinearForPPO.forward = spy
     from fsdp2_compat.tooling.verl_batches import add_verl_position_ids
 
-    adapt = contextlib.nullcontext()
-    if family == "glm4v":  # verl's GLM4V forward needs this on every transformers (see glm4v_bridge)
-        from fsdp2_compat.tooling import glm4v_bridge
-
-        adapt = glm4v_bridge.bridge()
     result = {
         "wrapped": wrapped_module_names(model),
         "forward": type(model).forward.__module__,  # which verl fused forward apply_monkey_patch installed
@@ -345,8 +338,6 @@ def train_fused(rank, world, family, patches, steps=2, mesh_shape=None, bf16=Fal
         result["logprob_err"] = max(result["logprob_err"], rel_err(out.log_probs, ref_out.log_probs))
 
     try:
-        with adapt:
-            return train_against_reference(model, reference, rank, world, result, batches_for, loss_of, steps, lr,
-                                           compare)
+        return train_against_reference(model, reference, rank, world, result, batches_for, loss_of, steps, lr, compare)
     finally:
         torch_functional.FusedLinearForPPO.forward = original_forward

@@ -39,10 +39,11 @@ VERL_FORWARD = {
 }
 FAMILIES = {f: (registry.for_model_type(f).name, module) for f, module in VERL_FORWARD.items()}
 # Under upstream's wrap selection the GLM family crashes in its vision tower
-# (aten.grid_sampler_2d) before lm_head is read, so their "unpatched" fused runs
-# fix the selection alone (a patch whose only targets are the wrap selection).
-SELECTION_ONLY = next(p.name for p in registry.PATCHES if p.targets == registry.WRAP_SELECTION)
-UNPATCHED = {f: SELECTION_ONLY if f.startswith("glm") else None for f in FAMILIES}
+# (aten.grid_sampler_2d) before lm_head is read, and verl's GLM4V forward itself
+# fails on most transformers: their "unpatched" fused runs get every target of
+# the glm4v patch but its lm_head ones (tooling.subset).
+LM_HEAD_TARGETS = [t.key for t in registry.patch("glm4v").targets if t.seam.endswith(":lm_head_reader_seam")]
+UNPATCHED = {f: ["glm4v"] + ["-" + k for k in LM_HEAD_TARGETS] if f.startswith("glm") else None for f in FAMILIES}
 
 
 def _family(family):
@@ -130,22 +131,33 @@ def test_patch_gathers_lm_head_in_bf16_and_reduces_its_gradient():
     assert patched["error"] is None
 
 
-@pytest.mark.skipif(tiny_models.available("glm4v") is not True, reason=str(tiny_models.available("glm4v")))
-def test_glm4v_bridge_adapts_transformers_exactly_where_verl_glm4v_fails():
-    """Why (and where) the GLM4V proofs above adapt transformers (tooling/glm4v_bridge.py).
+# How verl's stock GLM4V forward fails, by what this transformers needs adapted (fixes/glm4v_forward.py).
+GLM4V_STOCK_ERROR = {
+    ("_get_input_embeds",): "AttributeError: 'BaseModelOutputWithPooling' object has no attribute 'shape'",
+    ("process_position_ids",): "The size of tensor a (3) must match the size of tensor b (4) at non-singleton dimension 0",
+}
 
-    If this fails because a stock run works where the bridge says it is
-    needed, upstream fixed its side: narrow ``glm4v_bridge.needed()``.
+
+@pytest.mark.skipif(tiny_models.available("glm4v") is not True, reason=str(tiny_models.available("glm4v")))
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
+def test_glm4v_forward_targets_are_needed_exactly_where_verl_glm4v_fails(fused):
+    """verl's own GLM4V forward: stock it fails on every transformers but 5.0.0rc0-rc3; the glm4v
+    patch's forward targets apply exactly there and make it equal transformers' own forward.
+
+    If a stock run works where a target applied, upstream fixed its side: narrow
+    ``fsdp2_compat.fixes.glm4v_forward``'s transformers ranges.
     """
-    from fsdp2_compat.tooling import glm4v_bridge
+    from fsdp2_compat.fixes import glm4v_forward
     from support.rank_jobs import glm4v_forward_errors
 
-    [errors] = run_ranks(glm4v_forward_errors, 1)
-    assert errors["bridged"] is None, errors["bridged"]
-    need = glm4v_bridge.needed()
-    if need is None:  # transformers 5.0.0rc0-rc3: verl's GLM4V forward runs as released
-        assert errors["stock"] is None, errors["stock"]
-    elif need == "vision output object":  # the vision tower returns an output object, verl asks for .shape
-        assert "'BaseModelOutputWithPooling' object has no attribute 'shape'" in errors["stock"], errors["stock"]
-    else:  # verl's 4-row position ids meet 4.x's 3-row rotary embedding
-        assert need == "3-row position ids" and "must match the size of tensor b (4)" in errors["stock"], errors
+    [r] = run_ranks(glm4v_forward_errors, 1, fused)
+    adapted = glm4v_forward.adapted_for(guards.installed_version("transformers"))
+    applied = tuple(attr for attr, kind in r["outcomes"].items() if kind == "applied")
+    assert applied == adapted, r["outcomes"]
+    assert all(kind == "not needed" for attr, kind in r["outcomes"].items() if attr not in adapted), r["outcomes"]
+    if not adapted:  # transformers 5.0.0rc0-rc3: verl's GLM4V forward runs as released
+        assert r["stock"] is None, r["stock"]
+    else:
+        assert r["stock"] is not None and GLM4V_STOCK_ERROR[adapted] in r["stock"], r["stock"]
+    assert r["patched"] is None, r["patched"]
+    assert r["logprob_err"] < TOL and r["vision_grads"], r

@@ -1,15 +1,13 @@
 """Rank functions only the tests and benchmarks run (through ``fsdp2_compat.tooling.ranks``).
 
 - ``wrap_plans``: the FSDP2 units a framework creates, unpatched and patched;
-- ``glm4v_forward_errors``: verl's fused GLM4V forward on stock and adapted transformers;
+- ``glm4v_forward_errors``: verl's GLM4V forward, stock and with the glm4v patch's forward targets;
 - ``lm_head_traffic``: the bytes ``lm_head`` moves in one bf16 fused step
   (``benchmarks/lm_head_gather.py``; tests assert the counts).
 
 Importable by module name in the rank processes: ``tests/`` is on ``sys.path``
 (pytest's rootdir conftest, or the benchmark's own path line).
 """
-
-import contextlib
 
 from fsdp2_compat.tooling.scenarios import first_line, fused_loss, import_fsdp_utils, wrapped_module_names
 
@@ -50,31 +48,57 @@ def wrap_plans(rank, world, framework, families, patches):
 
 
 
-def glm4v_forward_errors(rank, world):
-    """verl's fused GLM4V forward on a tiny unsharded model, on stock transformers and bridged.
+def glm4v_forward_errors(rank, world, fused):
+    """verl's GLM4V forward on a tiny unsharded model: stock, then with the glm4v patch's forward targets.
 
-    Returns ``{"stock": error or None, "bridged": error or None}``; the
-    ``stock`` error is the upstream incompatibility ``glm4v_bridge`` exists for.
+    ``fused``: verl's fused-kernel forward (torch backend), else its plain
+    one; both go through verl's ``_get_input_embeds`` and ``process_position_ids``.
+    Only the forward targets are requested (``tooling.subset``), not the
+    lm_head ones.  Returns ``{"stock": error or None, "patched": error or
+    None, "outcomes": {attr: outcome}, "logprob_err": max |verl patched -
+    transformers' own forward| over unpadded positions, "vision_grads": every
+    vision parameter got a gradient}``.
     """
-    from fsdp2_compat.tooling import glm4v_bridge, tiny as tiny_models
+    import torch
+
+    from fsdp2_compat.core import engine
+    from fsdp2_compat.integrations import verl as verl_targets
+    from fsdp2_compat.tooling import subset, tiny as tiny_models
     from fsdp2_compat.tooling.verl_batches import glm4v_verl_batch
 
+    model = tiny_models.build("glm4v", tie=False, seed=0).eval()
+    batch = tiny_models.make_batch("glm4v", model, seed=1)
+    batch.pop("labels")
+    batch["attention_mask"][1, -2:] = 0  # some right padding: the masks must matter
+    ids = batch["input_ids"]
+
+    def log_probs(out):
+        if getattr(out, "log_probs", None) is not None:  # verl's fused forward
+            return out.log_probs
+        return torch.log_softmax(out.logits.float(), -1).gather(-1, torch.roll(ids, -1, -1).unsqueeze(-1)).squeeze(-1)
+
+    with torch.no_grad():  # transformers' own forward, before verl replaces the class's
+        reference = log_probs(model(**batch, return_dict=True))
     from verl.models.transformers.monkey_patch import apply_monkey_patch
 
-    model = tiny_models.build("glm4v", tie=False, seed=0)
-    apply_monkey_patch(model, use_remove_padding=False, use_fused_kernels=True, fused_kernels_backend="torch")
-    batch = glm4v_verl_batch(model, tiny_models.make_batch("glm4v", model, seed=1))
-    errors = {}
-    for label, adapt in (("stock", contextlib.nullcontext()), ("bridged", glm4v_bridge.bridge())):
-        try:
-            with adapt:
-                model(**batch, return_dict=True).log_probs.sum().backward()
-            errors[label] = None
-        except Exception as exc:
-            errors[label] = "%s: %s" % (type(exc).__name__, first_line(exc))
-    return errors
-
-
+    apply_monkey_patch(model, use_remove_padding=False, use_fused_kernels=fused, fused_kernels_backend="torch")
+    verl_batch = glm4v_verl_batch(model, batch)
+    result = {"stock": None, "patched": None, "logprob_err": None, "vision_grads": False}
+    try:
+        model(**verl_batch, return_dict=True)
+    except Exception as exc:
+        result["stock"] = "%s: %s" % (type(exc).__name__, first_line(exc))
+    name = subset.request([t.key for t in verl_targets.GLM4V_FORWARD])
+    result["outcomes"] = {o.target.attr: o.kind for _, o in engine.outcomes([name])}
+    try:
+        lp = log_probs(model(**verl_batch, return_dict=True))
+        mask = batch["attention_mask"].bool()
+        result["logprob_err"] = float((lp.detach() - reference)[mask].abs().max())
+        lp[mask].sum().backward()
+        result["vision_grads"] = all(p.grad is not None for n, p in model.named_parameters() if ".visual." in n)
+    except Exception as exc:
+        result["patched"] = "%s: %s" % (type(exc).__name__, first_line(exc))
+    return result
 
 
 def lm_head_traffic(rank, world, patches):

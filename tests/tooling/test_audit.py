@@ -23,7 +23,8 @@ import fsdp2_compat  # noqa: E402
 from fsdp2_compat import registry  # noqa: E402
 from fsdp2_compat.core import engine, guards  # noqa: E402
 from fsdp2_compat.tooling import audit  # noqa: E402
-from fsdp2_compat.tooling import glm4v_bridge, tiny as tiny_models  # noqa: E402
+from fsdp2_compat.fixes import glm4v_forward  # noqa: E402
+from fsdp2_compat.tooling import tiny as tiny_models  # noqa: E402
 from support import real_size  # noqa: E402
 
 VERL = guards.installed_version("verl")
@@ -149,9 +150,12 @@ def test_fused_forward_lm_head_read(python):
         assert rep is not None and rep["fused"], (r, proc.stderr)
         hazards = {h["param"]: h for h in rep["hazards"]}
         if r["family"] == "glm4v":
-            # Where verl's GLM4V forward only runs with transformers adapted (glm4v_bridge), the report says so.
-            assert any(n["kind"] == "adapted" and "glm4v_bridge" in n["message"] for n in rep["notes"]) == (
-                glm4v_bridge.needed() is not None), rep["notes"]
+            # Where verl's GLM4V forward does not run on this transformers as released, the audit applies
+            # the glm4v patch's forward targets (never its lm_head ones) and says which.
+            adapted = glm4v_forward.adapted_for(guards.installed_version("transformers"))
+            notes = [n["message"] for n in rep["notes"] if n["kind"] == "adapted"]
+            assert len(notes) == (1 if adapted else 0), rep["notes"]
+            assert all(("%s target" % ", ".join(adapted)) in n for n in notes), notes
             # The vision tower's raw read is there under verl's plan whatever the release.
             vision = hazards.pop("model.visual.embeddings.position_embedding.weight")
             assert (vision["op"], vision["patch"]) == ("grid_sample", "glm4v"), vision

@@ -1,7 +1,5 @@
 """Reports: one audit as a dict and a table, and the sweep over families x plans."""
 
-import contextlib
-
 from fsdp2_compat.tooling.verl_batches import add_verl_position_ids
 
 from .findings import AuditInputError, Finding
@@ -16,6 +14,19 @@ def _versions():
     return {d: guards.installed_version(d) for d in ("torch", "transformers", "verl")}
 
 
+GLM4V_FORWARD_MODULE = "verl.models.transformers.glm4v"
+
+
+def _fix_verl_glm4v_forward():
+    """Apply the glm4v patch's verl-forward targets only (not its lm_head ones); the attrs that applied."""
+    from fsdp2_compat.core import engine
+    from fsdp2_compat.integrations import verl
+    from fsdp2_compat.tooling import subset
+
+    name = subset.request([t.key for t in verl.GLM4V_FORWARD])
+    return [o.target.attr for _, o in engine.outcomes([name]) if o.kind == engine.APPLIED]
+
+
 def report(model, batch, plan, label, fused=False, layer_classes=None, notes=()):
     """Plan, audit and collect everything the CLI prints, as a dict (JSON-ready).
 
@@ -28,26 +39,28 @@ def report(model, batch, plan, label, fused=False, layer_classes=None, notes=())
         batch = {k: v for k, v in batch.items() if k != "labels"}
         batch["return_dict"] = True
         add_verl_position_ids(model, batch)
-    adapt = contextlib.nullcontext()
     notes = list(notes)
-    if fused and getattr(type(model).__dict__.get("forward"), "__module__", "") == "verl.models.transformers.glm4v":
-        from fsdp2_compat.tooling import glm4v_bridge
-
-        need = glm4v_bridge.needed()
-        if need is not None:
-            adapt = glm4v_bridge.bridge()
-            notes.append(Finding(
-                "adapted",
-                "verl's GLM4V forward does not run on this transformers (%s; an upstream verl bug, not FSDP2): "
-                "audited with transformers adapted by fsdp2_compat.tooling.glm4v_bridge" % need))
+    verl_glm4v = fused and getattr(type(model).__dict__.get("forward"), "__module__", "") == GLM4V_FORWARD_MODULE
     try:
-        with adapt:
-            hazards = audit(model, batch, units, plan=plan_name)
+        if verl_glm4v:
+            adapted = _fix_verl_glm4v_forward()
+            if adapted:
+                notes.append(Finding(
+                    "adapted",
+                    "verl's GLM4V forward does not run on this transformers as released (an upstream verl bug, not "
+                    "FSDP2; the glm4v patch fixes it): audited with the glm4v patch's %s target(s) applied"
+                    % ", ".join(adapted)))
+        hazards = audit(model, batch, units, plan=plan_name)
     except AuditInputError:
         raise
     except Exception as exc:  # noqa: BLE001
         raise AuditInputError("the tiny forward of %s failed (%s: %s)" % (label, type(exc).__name__,
                                                                            str(exc).splitlines()[0] if str(exc) else ""))
+    finally:
+        if verl_glm4v:
+            from fsdp2_compat.tooling import subset
+
+            subset.forget()
     if plan == "verl" and not layer_classes_of(model) and layer_classes is None:
         notes.append(Finding(
             "empty-layer-classes",
