@@ -104,8 +104,23 @@ def _train_bound_forward(rank, world, model_module, steps=2, lr=0.05):
     through a module-level helper (GLM-4V, Qwen2-VL) are stubbed to the text
     backbone: the code under test is the read of ``lm_head.weight``.
     """
-    import copy
     import importlib
+
+    module = importlib.import_module("verl.models.transformers." + model_module)
+    stub = FUSED_MODULES[model_module]
+    if stub is None:
+        return _train_bound(rank, world, module, steps, lr)
+    # The stub is undone afterwards: ``fused_lm_head`` runs verl's real GLM4V forward next.
+    original = module.__dict__[stub]
+    setattr(module, stub, lambda self, input_ids, **kwargs: self.model(input_ids=input_ids, **kwargs))
+    try:
+        return _train_bound(rank, world, module, steps, lr)
+    finally:
+        setattr(module, stub, original)
+
+
+def _train_bound(rank, world, module, steps, lr):
+    import copy
 
     import torch
     from torch.distributed.device_mesh import init_device_mesh
@@ -121,10 +136,7 @@ def _train_bound_forward(rank, world, model_module, steps=2, lr=0.05):
     )
     from verl.utils import fsdp_utils
 
-    module = importlib.import_module("verl.models.transformers." + model_module)
-    stub = FUSED_MODULES[model_module]
-    if stub is not None:
-        setattr(module, stub, lambda self, input_ids, **kwargs: self.model(input_ids=input_ids, **kwargs))
+    model_module = module.__name__.rsplit(".", 1)[-1]
     base = tiny_models.build("qwen2", tie=False, seed=0)
     cls = type("Fused%s" % model_module.title().replace("_", ""), (type(base),), {"forward": module.forward_with_torch_backend})
     base.__class__ = cls
