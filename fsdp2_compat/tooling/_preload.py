@@ -11,6 +11,13 @@ for _name in (
     "fsdp2_compat.tooling.scenarios",
     "verl.utils.fsdp_utils",
     "skyrl_train.distributed.fsdp_utils",
+    # The platform-neutral part of verl's training engine (datasets alone is ~1.5 s a process);
+    # verl.workers.engine itself resolves verl's platform when imported, so tooling.engines
+    # imports it in the rank, after selecting the CPU platform.
+    "datasets",
+    "verl.utils.dataset.dataset_utils",
+    "verl.workers.config",
+    "verl.workers.utils.losses",
 ):
     try:
         importlib.import_module(_name)

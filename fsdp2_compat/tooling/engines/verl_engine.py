@@ -1,0 +1,276 @@
+"""Tiny models through verl's own FSDP training engine, on CPU gloo ranks.
+
+What runs is verl's code end to end: ``EngineRegistry.new("language_model",
+"fsdp2", ...)`` builds ``FSDPEngineWithLMHead``
+(``verl/workers/engine/fsdp/transformer_impl.py``); ``initialize()`` loads the
+model directory with ``from_pretrained`` (rank 0's weights broadcast to the
+others by ``fsdp2_load_full_state_dict``), runs ``apply_monkey_patch`` and
+``apply_fsdp2`` and builds the optimizer through verl's ``build_optimizer``;
+step 0 is ``forward_backward_batch`` (micro-batches with deferred gradient
+sync, verl's ``sft_loss``) and ``optimizer_step`` (``fsdp2_clip_grad_norm_``),
+step 1 ``train_batch``.  Batches are verl's SFT layout through verl's
+``SFTTensorCollator`` (nested ``input_ids`` / ``loss_mask`` / ``position_ids``,
+4-row position ids for the VLMs as verl's agent loop builds them, per-sample
+``multi_modal_inputs``); every rank gets different samples of different lengths.
+
+The reference is an unsharded copy loaded from the same directory (same class,
+so the same verl forward ``apply_monkey_patch`` installed), trained with SGD on
+the samples of every rank with verl's DP-average loss
+(``-sum(log_prob * loss_mask) / tokens of all ranks``).
+
+Settings (CPU, exact comparison): the CPU platform (``cpu.use_verl_cpu_platform``),
+``use_remove_padding=False`` (padding-free needs flash-attn),
+``attn_implementation=eager``, fp32 mixed precision (``bf16=True``: verl's
+default bf16 policy, compared loosely), SGD, ``clip_grad=1e6``, no
+``torch.compile``, no gradient checkpointing.
+"""
+
+import time
+
+SAMPLES_PER_RANK = 4
+MICRO_BATCH = 2  # two micro-batches per rank: gradient accumulation with deferred sync
+LR = 0.05
+MODULES = ("verl.utils.fsdp_utils", "verl.models.transformers.")
+
+
+def runnable():
+    """True when verl's FSDP engine can run on CPU here, else why not (no import of the engine itself)."""
+    import importlib.util
+
+    from fsdp2_compat.core import guards
+
+    version = guards.installed_version("verl")
+    if version is None:
+        return "verl is not installed"
+    if importlib.util.find_spec("verl.plugin.platform") is None:
+        return "verl %s has no platform registry (verl.plugin.platform, 0.9.0+) to register a CPU platform with" % version
+    # What verl.workers.engine imports beyond verl's declared core (tf5.txt lists them).
+    missing = [m for m in ("datasets", "codetiming", "PIL", "tensordict") if importlib.util.find_spec(m) is None]
+    if missing:
+        return "verl %s's training engine needs %s, not installed here" % (version, ", ".join(missing))
+    return True
+
+
+def _position_ids(model, batch):
+    """(4, b, s) as verl's agent loop builds them (text row on top of ``get_rope_index``), or (b, s) for text."""
+    import inspect
+
+    import torch
+
+    text = (batch["attention_mask"].long().cumsum(-1) - 1).clamp_min(0)
+    get_rope_index = getattr(getattr(model, "model", model), "get_rope_index", None)
+    if get_rope_index is None or "pixel_values" not in batch:
+        return text
+    accepted = inspect.signature(get_rope_index).parameters
+    rope, _ = get_rope_index(**{k: v for k, v in batch.items() if k in accepted})
+    return torch.cat([text.unsqueeze(0), rope], 0)
+
+
+def make_samples(family, model, seed):
+    """Per-sample dicts for verl's ``SFTTensorCollator``; odd samples are two tokens shorter."""
+    import torch
+
+    from fsdp2_compat.tooling import tiny
+
+    batch = tiny.make_batch(family, model, seed=seed, batch_size=SAMPLES_PER_RANK)
+    labels = batch.pop("labels", None)
+    n = batch["input_ids"].shape[1]
+    lengths = [n - 2 * (i % 2) for i in range(SAMPLES_PER_RANK)]
+    for i, length in enumerate(lengths):
+        batch["attention_mask"][i, length:] = 0
+    pos = _position_ids(model, batch)
+    # The prompt: 5 text tokens and the image span (tiny.make_batch's layout; labels mask the span).
+    prompt = 5 + (int((labels[0] == -100).sum()) if labels is not None else 0)
+    per_image = batch["pixel_values"].shape[0] // SAMPLES_PER_RANK if "pixel_values" in batch else 0
+    samples = []
+    for i, length in enumerate(lengths):
+        loss_mask = torch.zeros(length, dtype=torch.long)
+        loss_mask[prompt:] = 1
+        sample = {
+            "input_ids": batch["input_ids"][i, :length].clone(),
+            "loss_mask": loss_mask,
+            "position_ids": (pos[:, i, :length] if pos.dim() == 3 else pos[i, :length]).clone(),
+        }
+        if per_image:
+            sample["multi_modal_inputs"] = {
+                "pixel_values": batch["pixel_values"][i * per_image:(i + 1) * per_image].clone(),
+                "image_grid_thw": batch["image_grid_thw"][i:i + 1].clone(),
+            }
+        samples.append(sample)
+    return samples
+
+
+def to_tensordict(samples, fused, pad_token_id):
+    """verl's SFT data: ``SFTTensorCollator(NO_PADDING)`` plus the meta the engine reads."""
+    from tensordict import NonTensorData
+
+    from verl.utils import tensordict_utils as tu
+    from verl.utils.dataset.dataset_utils import DatasetPadMode, SFTTensorCollator
+
+    data = SFTTensorCollator(DatasetPadMode.NO_PADDING)(samples)
+    meta = {
+        "use_remove_padding": False,
+        "use_fused_kernels": fused,
+        "use_dynamic_bsz": False,
+        "micro_batch_size_per_gpu": MICRO_BATCH,
+        "max_token_len_per_gpu": 4096,
+        "temperature": 1.0,
+        "pad_mode": DatasetPadMode.NO_PADDING,
+        "pad_token_id": pad_token_id,
+    }
+    td = tu.get_tensordict(tensor_dict=data, non_tensor_dict=meta)
+    tu.assign_non_tensor(td, global_token_num=NonTensorData([len(s["input_ids"]) for s in samples]))
+    return td
+
+
+def reference_loss(model, samples, fused):
+    """verl's DP-average SFT loss of ``samples`` on the unsharded ``model``: (total, per-sample terms)."""
+    import torch
+
+    lengths = [len(s["input_ids"]) for s in samples]
+    n, b = max(lengths), len(samples)
+    vlm = samples[0]["position_ids"].dim() == 2
+    ids = torch.zeros(b, n, dtype=torch.long)
+    att = torch.zeros(b, n, dtype=torch.long)
+    pos = torch.zeros((4, b, n) if vlm else (b, n), dtype=torch.long)
+    for i, s in enumerate(samples):
+        ids[i, :lengths[i]] = s["input_ids"]
+        att[i, :lengths[i]] = 1
+        if vlm:
+            pos[:, i, :lengths[i]] = s["position_ids"]
+        else:
+            pos[i, :lengths[i]] = s["position_ids"]
+    kwargs = {"input_ids": ids, "attention_mask": att, "position_ids": pos, "use_cache": False}
+    if "multi_modal_inputs" in samples[0]:
+        for key in samples[0]["multi_modal_inputs"]:
+            kwargs[key] = torch.cat([s["multi_modal_inputs"][key] for s in samples])
+    if fused:
+        kwargs.update(temperature=1.0, return_dict=True)
+    out = model(**kwargs)
+    tokens = sum(int(s["loss_mask"].sum()) for s in samples)
+    terms = []
+    for i, s in enumerate(samples):
+        length = lengths[i]
+        if fused:
+            lp = out.log_probs[i, :length]
+        else:
+            logits = out.logits[i, :length].float()
+            lp = torch.log_softmax(logits, -1).gather(-1, torch.roll(s["input_ids"], -1).unsqueeze(-1)).squeeze(-1)
+        mask = torch.roll(s["loss_mask"], -1).to(lp.dtype)
+        mask[-1] = 0  # verl rolls the packed batch: a sample's last position meets the next one's prompt
+        terms.append(-(lp * mask).sum() / tokens)
+    return sum(terms), terms
+
+
+def _engine(model_dir, fused, bf16):
+    from verl.trainer.config import CheckpointConfig
+    from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
+    from verl.workers.engine import EngineRegistry
+
+    model_config = HFModelConfig(
+        path=model_dir,
+        use_remove_padding=False,
+        use_fused_kernels=fused,
+        fused_kernel_options={"impl_backend": "torch"} if fused else {},
+        enable_gradient_checkpointing=False,
+        override_config={"attn_implementation": "eager"},
+    )
+    engine_config = FSDPEngineConfig(
+        strategy="fsdp2",
+        forward_only=False,
+        use_dynamic_bsz=False,
+        micro_batch_size_per_gpu=MICRO_BATCH,
+        use_remove_padding=False,
+        use_fused_kernels=fused,
+        use_torch_compile=False,
+        mixed_precision=None if bf16 else {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
+    )
+    optimizer_config = FSDPOptimizerConfig(optimizer="SGD", lr=LR, weight_decay=0.0, clip_grad=1e6,
+                                           total_training_steps=10)
+    engine = EngineRegistry.new("language_model", "fsdp2", model_config=model_config, engine_config=engine_config,
+                                optimizer_config=optimizer_config, checkpoint_config=CheckpointConfig())
+    return engine, model_config
+
+
+def train_verl_engine(rank, world, family, model_dir, patches, fused=False, bf16=False, steps=2):
+    """Train ``family`` from ``model_dir`` through verl's FSDP engine on this rank; see the module docstring.
+
+    ``patches``: how fsdp2-compat is turned on (``common.activate``).  Returns
+    ``{"error": "<where>: <type>: <message>" or None, "losses", "loss_err",
+    "step<k>_grad_err" / "_worst_grad" / "_lm_head_grad_err" / "_grads_checked",
+    "param_err_after_step<k>", "grad_norm_err", "units", "forward",
+    "engine_class", "device", "activation", "init_s", "step_s"}``.
+    """
+    import copy
+    from functools import partial
+
+    from . import common, cpu
+    from fsdp2_compat.tooling.scenarios import first_line
+
+    start = time.perf_counter()
+    result = {"family": family, "fused": fused, "bf16": bf16, "patches": patches, "error": None, "losses": [],
+              "loss_err": 0.0}
+    device = cpu.use_verl_cpu_platform()  # before verl.workers.engine is imported
+    common.activate(patches)
+    import torch
+
+    from verl.utils.model import get_hf_auto_model_class
+    from verl.workers.utils.losses import sft_loss
+
+    engine, model_config = _engine(model_dir, fused, bf16)
+    result.update(engine_class=type(engine).__name__, device=device)
+    try:
+        engine.initialize()
+    except Exception as exc:
+        result["error"] = "initialize: %s: %s" % (type(exc).__name__, first_line(exc))
+        return result
+    result["init_s"] = round(time.perf_counter() - start, 2)
+    result["activation"] = common.activation_report(_modules())
+    module = engine.module
+    result["units"] = common.units(module)
+    result["forward"] = type(module).forward.__module__
+    auto = get_hf_auto_model_class(model_config.hf_config)
+    reference = auto.from_pretrained(model_config.local_path, config=copy.deepcopy(model_config.hf_config),
+                                     torch_dtype=torch.float32)
+    reference.train()
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
+    loss_fn = partial(sft_loss, config=None)
+    t0 = time.perf_counter()
+    for step in range(steps):
+        per_rank = [make_samples(family, reference, seed=1000 + step * world + r) for r in range(world)]
+        data = to_tensordict(per_rank[rank], fused, model_config.tokenizer.pad_token_id)
+        try:
+            with engine.train_mode(disable_auto_offload=True, zero_grad_on_exit=False):
+                if step == 0:
+                    engine.optimizer_zero_grad()
+                    out = engine.forward_backward_batch(data, loss_fn, forward_only=False)
+                else:
+                    out = engine.train_batch(data, loss_fn)  # steps the optimizer itself; gradients kept
+        except Exception as exc:
+            result["error"] = "step %d: %s: %s" % (step, type(exc).__name__, first_line(exc))
+            return result
+        loss = sum(out["loss"]) if isinstance(out["loss"], list) else float(out["loss"])
+        ref_optimizer.zero_grad()
+        total, terms = reference_loss(reference, [s for samples in per_rank for s in samples], fused)
+        total.backward()
+        # verl reports this rank's loss times dp_size (sft_loss): the reference terms of its samples, likewise.
+        mine = float(sum(terms[rank * SAMPLES_PER_RANK:(rank + 1) * SAMPLES_PER_RANK]).detach()) * world
+        result["losses"].append(round(loss, 7))
+        result["loss_err"] = max(result["loss_err"], abs(loss - mine) / (1 + abs(mine)))
+        common.compare(module, reference, result, "step%d" % step)
+        if step == 0:
+            grad_norm = engine.optimizer_step()
+            ref_norm = float(torch.linalg.vector_norm(torch.stack(
+                [torch.linalg.vector_norm(p.grad) for p in reference.parameters() if p.grad is not None])))
+            result["grad_norm_err"] = abs(float(grad_norm) - ref_norm) / (1 + ref_norm)
+        ref_optimizer.step()
+        result["param_err_after_step%d" % step] = common.param_err(module, reference)
+    result["step_s"] = round(time.perf_counter() - t0, 2)
+    return result
+
+
+def _modules():
+    """The modules of the targets that matter in verl's engine: wrap selection and verl's model forwards."""
+    import sys
+
+    return {m for m in sys.modules if m == MODULES[0] or m.startswith(MODULES[1])}
