@@ -16,6 +16,12 @@ two ranks): a fused case whose unpatched run is "ok" while ``lm_head`` has
 an FSDP unit of its own is run again on two gloo ranks (separate processes),
 where "fixed" means the lm_head gradient matches the data-parallel average.
 
+Last, the whole path users run: GLM-4.1V through each installed training
+engine that runs on CPU here (verl's FSDP engine, SkyRL's FSDPStrategy; see
+``tooling.engines``), on two gloo ranks with different data, unpatched and
+patched; "fixed" means every loss, gradient and parameter matches the
+data-parallel reference.
+
 What upstream prints while a case runs (verl announces its monkey patches)
 is captured per case: shown with ``--verbose`` or when the case is not
 fixed, and always in ``--json``.  Exit status 1 when a patch that applied
@@ -88,6 +94,61 @@ def _two_ranks(family, patch):
         out["error"] = "runs, but the %s gradient misses the data-parallel average by %.2g" % (
             worst["worst_grad"], worst["grad_err"])
     return out
+
+
+# kind -> (framework, harness module in tooling.engines, its rank function)
+ENGINES = {
+    "verl engine": ("verl", "verl_engine", "train_verl_engine"),
+    "skyrl strategy": ("skyrl", "skyrl_strategy", "train_skyrl_strategy"),
+}
+ENGINE_FAMILY = "glm4v"
+
+
+def _harness(name):
+    import importlib
+
+    return importlib.import_module("fsdp2_compat.tooling.engines." + name)
+
+
+def engine_cases(families=None):
+    """``[(framework, version, family, patch, kind)]``: GLM-4.1V once per training engine runnable here."""
+    from fsdp2_compat import registry
+    from fsdp2_compat.core import guards
+
+    from . import tiny
+
+    if families is not None and ENGINE_FAMILY not in families or tiny.wrappable(ENGINE_FAMILY) is not True:
+        return []
+    patch = registry.for_model_type(ENGINE_FAMILY).name
+    return [(dist, guards.installed_version(dist), ENGINE_FAMILY, patch, kind)
+            for kind, (dist, harness, _) in ENGINES.items() if _harness(harness).runnable() is True]
+
+
+def quiet_engine(rank, world, kind, *args):
+    """The ``tooling.engines`` rank function of ``kind``, its prints captured into ``result["output"]``."""
+    _, harness, fn = ENGINES[kind]
+    result, output = _captured(getattr(_harness(harness), fn), rank, world, *args)
+    result["output"] = output
+    return result
+
+
+def _engine(kind, family, patch, root):
+    """One engine case on 2 gloo ranks: the merged result, a wrong-but-running patched run reported as an error."""
+    from .engines import common
+    from .ranks import run_ranks
+    from .scenarios import first_line
+
+    try:
+        path = common.model_dir(family, root, tokenizer=ENGINES[kind][0] == "verl")
+        results = run_ranks(quiet_engine, 2, kind, family, path, patch, timeout=600)
+    except Exception as exc:  # the scenario itself broke: report, do not die
+        return {"error": "%s: %s" % (type(exc).__name__, first_line(exc)), "loss_err": None, "output": ""}
+    merged = common.merge(results)
+    merged["output"] = results[0].get("output", "")
+    worst = max([v for k, v in merged.items() if k.endswith("grad_err") or k.startswith("param_err")] or [0.0])
+    if merged["error"] is None and worst >= TOL:
+        merged["error"] = "runs, but gradients or parameters miss the data-parallel average by %.2g" % worst
+    return merged
 
 
 def _row(framework, version, family, patch, kind, unpatched, patched):
@@ -186,6 +247,10 @@ def run_checks(families=None, frameworks=None, progress=None):
     if verl and guards.in_range(verl, ">=0.6.0") and (frameworks is None or "verl" in frameworks):
         # Last: verl's monkey patch rewrites model classes for the whole process.
         cases += [("verl", verl, family, patch, "fused forward") for family, patch in fused_cases(families)]
+    cases += [c for c in engine_cases(families) if frameworks is None or c[0] in frameworks]
+    import tempfile
+
+    models = tempfile.TemporaryDirectory(prefix="fsdp2_compat_check_models_")
     saved_filters = warnings.filters[:]
     try:
         warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
@@ -205,11 +270,15 @@ def run_checks(families=None, frameworks=None, progress=None):
                 if unpatched.get("error") is None and "lm_head" in (unpatched.get("wrapped") or ()):
                     # Runs on one rank with lm_head sharded apart: only two ranks can tell.
                     cases.append((framework, version, family, patch, "fused, 2 ranks"))
+            elif kind in ENGINES:
+                unpatched = _engine(kind, family, None, models.name)
+                patched = _engine(kind, family, patch, models.name)
             else:
                 unpatched = _two_ranks(family, None)
                 patched = _two_ranks(family, patch)
             rows.append(_row(framework, version, family, patch, kind, unpatched, patched))
     finally:
+        models.cleanup()
         warnings.filters[:] = saved_filters
         if owns_group:
             dist.destroy_process_group()
@@ -280,6 +349,10 @@ def main(args):
     if any(r["kind"] == "fused, 2 ranks" for r in rows):
         print("note: 'fused, 2 ranks' rows train on two gloo ranks with different data and compare the "
               "lm_head gradient with the data-parallel average; one rank cannot show that bug.")
+    if any(r["kind"] in ENGINES for r in rows):
+        print("note: 'verl engine' / 'skyrl strategy' rows train through the framework's own training engine "
+              "(2 gloo ranks, different data; CPU stand-ins only for CUDA-only code) and compare every loss, "
+              "gradient and parameter with the data-parallel reference.")
     shown = [r for r in rows if getattr(args, "verbose", False) or r["fixed"] is False]
     if shown:
         print()

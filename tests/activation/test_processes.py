@@ -23,6 +23,9 @@ Mechanisms, and which test proves each genuinely (each fails if it is broken):
   helper's setup hook for SkyRL (bootstrap off, user hook chained), and nothing
   patched when the variable is unset.
 - torchrun with 2 ranks: every rank reports the patch applied.
+- verl's training engine (GLM-4.1V, 2 ranks, against the DP-average reference):
+  trained with only FSDP2_COMPAT_PATCHES set (bootstrap and plugin), and with
+  ``import fsdp2_compat.auto`` in the ranks (bootstrap and plugins off).
 
 Slow tests (several seconds each: every child imports torch and verl) carry
 ``pytest.mark.slow``; ``-m "not slow"`` keeps the fast ones.  Ray tests share one
@@ -658,6 +661,64 @@ def test_torchrun_every_rank_applies(venv, tmp_path):
         _assert_installed_copy(venv, r)
         assert r["decisions"]["bootstrap"]["active"] is True, r["decisions"]
         assert _applied(r, "verl.utils.fsdp_utils"), (r["rank"], r["rows"])
+
+
+# -- slow: verl's training engine, turned on the way users turn it on ---------------------
+
+ENGINE_CHILD = r"""
+import sys
+from fsdp2_compat.tooling.engines import common, verl_engine
+from fsdp2_compat.tooling.ranks import run_ranks
+path = common.model_dir("glm4v", sys.argv[1])
+results = run_ranks(verl_engine.train_verl_engine, 2, "glm4v", path, sys.argv[2], timeout=540)
+emit({"results": results, "driver": report()})
+"""
+GLM4V_FORWARD_TARGET = "verl:verl.models.transformers.glm4v._get_input_embeds"
+
+
+def _engine_run(venv, tmp_path, mode, env):
+    from fsdp2_compat.tooling.engines import verl_engine
+
+    runnable = verl_engine.runnable()
+    if runnable is not True:
+        pytest.skip(str(runnable))
+    proc = venv.run(ENGINE_CHILD, env=dict(env, OMP_NUM_THREADS="1"), args=(str(tmp_path), mode), timeout=600)
+    result = _result(proc)
+    for rank, r in enumerate(result["results"]):
+        where = "rank %d" % rank
+        assert r["error"] is None, "%s: %s\n%s" % (where, r["error"], proc.stderr[-3000:])
+        assert r["activation"]["file"].startswith(venv.site), r["activation"]["file"]
+        assert r["activation"]["requested"] == ["glm4v"], r["activation"]
+        assert r["activation"]["outcomes"]["verl:verl.utils.fsdp_utils._select_fsdp2_wrap_targets"] == engine.APPLIED
+        assert r["activation"]["outcomes"][GLM4V_FORWARD_TARGET] == engine.APPLIED, r["activation"]["outcomes"]
+        assert "model.visual.embeddings.position_embedding" not in r["units"]
+        for key in ("loss_err", "step0_grad_err", "step1_grad_err", "param_err_after_step1", "grad_norm_err"):
+            assert r[key] < 1e-5, (where, key, r[key])
+    assert result["results"][0]["losses"] != result["results"][1]["losses"]
+    return result
+
+
+@slow
+@needs_verl_plugins
+def test_verl_engine_trains_glm4v_with_only_the_variable_set(venv, tmp_path):
+    """FSDP2_COMPAT_PATCHES=glm4v and nothing else: every rank gets the patch from the installed wheel
+    (the .pth bootstrap at start-up; verl's plugin entry point when verl is imported)."""
+    result = _engine_run(venv, tmp_path, "env", {"FSDP2_COMPAT_PATCHES": "glm4v"})
+    for r in result["results"]:
+        assert r["activation"]["decisions"]["bootstrap"]["active"] is True, r["activation"]
+        assert r["activation"]["decisions"]["plugin"]["active"] is True, r["activation"]
+
+
+@slow
+@needs_verl_plugins
+def test_verl_engine_trains_glm4v_with_fsdp2_compat_auto(venv, tmp_path):
+    """``import fsdp2_compat.auto`` in the rank, the bootstrap and verl's plugins off: the explicit way in."""
+    env = {"FSDP2_COMPAT_PATCHES": "glm4v", "FSDP2_COMPAT_DISABLE_BOOTSTRAP": "1", "VERL_USE_EXTERNAL_PLUGINS": "none"}
+    result = _engine_run(venv, tmp_path, "auto", env)
+    assert result["driver"]["requested"] == [], "only the ranks' import of fsdp2_compat.auto may request"
+    for r in result["results"]:
+        assert r["activation"]["decisions"]["bootstrap"]["active"] is False
+        assert "plugin" not in r["activation"]["decisions"], r["activation"]
 
 
 # -- the start-up benchmark ---------------------------------------------------------------

@@ -13,7 +13,13 @@ pytestmark = pytest.mark.skipif(not FRAMEWORKS, reason="no framework installed i
 
 def test_check_shows_the_crash_unpatched_and_the_fix_patched(python):
     proc = python(
-        "import sys; from fsdp2_compat.cli import main; sys.exit(main(['check', '--json', '--families', 'glm4v,qwen2']))"
+        """
+        import sys
+        from fsdp2_compat.tooling import check
+        check.engine_cases = lambda families=None: []  # the engine rows: the test below
+        from fsdp2_compat.cli import main
+        sys.exit(main(["check", "--json", "--families", "glm4v,qwen2"]))
+        """
     )
     report = json.loads(proc.stdout)
     assert report["failed"] == 0
@@ -26,6 +32,39 @@ def test_check_shows_the_crash_unpatched_and_the_fix_patched(python):
         assert row["patched"] == "ok" and row["loss_match"] and row["patch"] == "glm4v"
 
 
+def _runnable_engines():
+    from fsdp2_compat.tooling import check
+    from fsdp2_compat.tooling.engines import skyrl_strategy, verl_engine
+
+    harness = {"verl_engine": verl_engine, "skyrl_strategy": skyrl_strategy}
+    return {kind: harness[name].runnable() for kind, (_, name, _) in check.ENGINES.items()}
+
+
+def test_check_trains_glm4v_through_each_training_engine_installed(python):
+    """The README's first command shows the whole path: verl's FSDP engine and SkyRL's strategy, where they run."""
+    runnable = _runnable_engines()
+    if not any(v is True for v in runnable.values()):
+        pytest.skip("no training engine runs here: %s" % runnable)
+    proc = python(
+        """
+        import sys
+        from fsdp2_compat.tooling import check
+        check.selection_cases = lambda families=None: []
+        check.fused_cases = lambda families=None: []
+        from fsdp2_compat.cli import main
+        sys.exit(main(["check", "--json", "--families", "glm4v"]))
+        """
+    )
+    report = json.loads(proc.stdout)  # the ranks' prints must not reach stdout
+    assert report["failed"] == 0
+    rows = {r["kind"]: r for r in report["rows"]}
+    assert set(rows) == {kind for kind, ok in runnable.items() if ok is True}, (rows, runnable)
+    for kind, row in rows.items():
+        assert row["family"] == "glm4v" and row["patch"] == "glm4v", row
+        assert row["unpatched"].startswith("step 0: RuntimeError: aten.grid_sampler_2d.default got mixed"), row
+        assert row["patched"] == "ok" and row["fixed"] and row["loss_err"] < 1e-5, row
+
+
 def test_check_fails_when_a_patch_does_not_fix_its_case(python):
     # Pair GLM4V with a patch that does not touch the wrap selection: the
     # patched run still crashes, and check must say so with exit status 1.
@@ -35,6 +74,7 @@ def test_check_fails_when_a_patch_does_not_fix_its_case(python):
         from fsdp2_compat.tooling import check
         check.selection_cases = lambda families=None: [("glm4v", "qwen3vl")]
         check.fused_cases = lambda families=None: []
+        check.engine_cases = lambda families=None: []
         from fsdp2_compat.cli import main
         sys.exit(main(["check", "--json", "--families", "glm4v"]))
         """,

@@ -31,8 +31,10 @@ def activate(patches):
 def activation_report(modules):
     """What fsdp2-compat did in this process for the targets in ``modules``.
 
-    ``{"requested": [...], "how": [bootstrap / plugin lines], "outcomes": {target key: outcome}}``.
+    ``{"requested": [...], "how": [bootstrap / plugin lines], "decisions": {mechanism: {...}},
+    "outcomes": {target key: outcome}, "file": fsdp2_compat.__file__}``.
     """
+    import fsdp2_compat
     from fsdp2_compat.activation import bootstrap
     from fsdp2_compat.core import engine
 
@@ -45,7 +47,8 @@ def activation_report(modules):
         how = bootstrap.activation_summary()["lines"]
     except Exception as exc:  # noqa: BLE001  (a report, never a failure)
         how = ["activation summary unavailable: %s" % exc]
-    return {"requested": requested, "how": how, "outcomes": outcomes}
+    return {"requested": requested, "how": how, "decisions": bootstrap.decisions(), "outcomes": outcomes,
+            "file": fsdp2_compat.__file__}
 
 
 def build_tokenizer(path, vocab_size=256):
