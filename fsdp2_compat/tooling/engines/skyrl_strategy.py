@@ -51,20 +51,38 @@ def modules():
 
 
 def runnable():
-    """True when the installed skyrl's strategy can run on CPU here (see ``cpu.SKYRL_HELPERS``), else why not."""
+    """True when the installed skyrl's strategy can run on CPU here (see ``cpu.SKYRL_HELPERS``), else why not.
+
+    Reads the released ``fsdp_utils`` source; imports nothing of SkyRL.
+    """
+    import importlib.util
+    import os
+
+    from fsdp2_compat import integrations
     from fsdp2_compat.core import guards
 
     from . import cpu
 
     version = guards.installed_version(DIST)
-    if version is None:
+    integration = integrations.get(DIST)
+    spec = importlib.util.find_spec(integration.package)
+    if version is None or spec is None or not spec.submodule_search_locations:
         return "skyrl is not installed"
-    try:
-        _, utils, _ = modules()
-    except Exception as exc:  # noqa: BLE001
-        return "skyrl %s's FSDPStrategy cannot be imported here: %s: %s" % (version, type(exc).__name__, exc)
-    known = cpu.skyrl_helpers_known(utils)
-    return True if known is True else "skyrl %s: %s" % (version, known)
+    root = os.path.dirname(list(spec.submodule_search_locations)[0])
+    path = os.path.join(root, *integration.wrap_module.split(".")) + ".py"
+    missing = [m for m in ("jaxtyping", "loguru", "pydantic") if importlib.util.find_spec(m) is None]
+    if missing or not os.path.isfile(path):
+        return "skyrl %s's FSDPStrategy cannot be imported here (missing: %s)" % (version, ", ".join(missing) or path)
+    source = open(path, encoding="utf-8").read()
+    for name, known in cpu.SKYRL_HELPERS.items():
+        try:
+            found = guards.fingerprint_source(source, name)
+        except LookupError:
+            found = "absent"
+        if found != known:
+            return "skyrl %s: %s.%s is not the code the CPU stand-ins were written from (%s, expected %s)" % (
+                version, integration.wrap_module, name, found, known)
+    return True
 
 
 def make_batch(family, model, seed):

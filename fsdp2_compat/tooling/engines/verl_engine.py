@@ -34,15 +34,18 @@ MODULES = ("verl.utils.fsdp_utils", "verl.models.transformers.")
 
 
 def runnable():
-    """True when verl's FSDP engine can run on CPU here, else why not (no import of the engine itself)."""
+    """True when verl's FSDP engine can run on CPU here, else why not (imports nothing of verl)."""
     import importlib.util
+    import os
 
     from fsdp2_compat.core import guards
 
     version = guards.installed_version("verl")
-    if version is None:
+    spec = importlib.util.find_spec("verl")
+    if version is None or spec is None or not spec.submodule_search_locations:
         return "verl is not installed"
-    if importlib.util.find_spec("verl.plugin.platform") is None:
+    root = list(spec.submodule_search_locations)[0]
+    if not os.path.isfile(os.path.join(root, "plugin", "platform", "__init__.py")):
         return "verl %s has no platform registry (verl.plugin.platform, 0.9.0+) to register a CPU platform with" % version
     # What verl.workers.engine imports beyond verl's declared core (tf5.txt lists them).
     missing = [m for m in ("datasets", "codetiming", "PIL", "tensordict") if importlib.util.find_spec(m) is None]
