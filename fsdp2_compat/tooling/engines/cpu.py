@@ -2,14 +2,17 @@
 
 Neither replaces code fsdp2-compat patches, nor wraps the model.
 
-verl (>= 0.9): ``use_verl_cpu_platform()`` registers a ``cpu`` platform through
+verl >= 0.9: ``use_verl_cpu_platform()`` registers a ``cpu`` platform through
 verl's own ``PlatformRegistry`` (``verl.plugin.platform``, the documented
 extension point; verl ships nvidia / huawei / amd only) and selects it with
 ``VERL_PLATFORM=cpu``: device ``cpu``, gloo.  verl's training engine classes
 are registered for ``device=["cuda", "npu"]``, so ``VERL_ENGINE_DEVICE=cuda``
 (read by ``EngineRegistry.get_engine_cls``) picks ``FSDPEngineWithLMHead``.  It
 must run before ``verl.workers.engine`` is imported: ``transformer_impl``
-reads the device name at import.
+reads the device name at import.  verl 0.8 has neither: it names the device
+``cpu`` itself on a host without CUDA, and ``register_verl_engine_for_cpu``
+registers its FSDP engine class for that device through verl's public
+``EngineRegistry.register`` (the class verl registers for cuda).
 
 SkyRL: three helpers hard-code CUDA (``init_device_mesh("cuda", ...)``,
 ``buf.cuda()`` / ``device="cuda"``, ``total_norm.to(torch.cuda.current_device())``).
@@ -129,21 +132,50 @@ def _register_verl_cpu_platform():
     return CpuPlatform
 
 
-def use_verl_cpu_platform():
-    """Select the CPU platform (and the cuda-registered engine classes) for this process; returns verl's device name.
+def has_platform_registry():
+    """True for verl >= 0.9 (``verl.plugin.platform``); read from the installed files, nothing imported."""
+    import importlib.util
 
-    Raises ``RuntimeError`` when verl resolved its platform before (the
-    engine module must not have been imported yet in this process).
+    spec = importlib.util.find_spec("verl")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    root = list(spec.submodule_search_locations)[0]
+    return os.path.isfile(os.path.join(root, "plugin", "platform", "__init__.py"))
+
+
+def use_verl_cpu_platform():
+    """Make verl run on the host for this process; returns verl's device name (``"cpu"``).
+
+    verl >= 0.9: the CPU platform (and the cuda-registered engine classes).
+    Raises ``RuntimeError`` when verl resolved its platform before (the engine
+    module must not have been imported yet in this process).  verl 0.8 names
+    the device itself (``cpu`` without CUDA); then ``register_verl_engine_for_cpu``
+    is needed once the engine is imported.
     """
-    os.environ["VERL_PLATFORM"] = VERL_PLATFORM
-    os.environ["VERL_ENGINE_DEVICE"] = "cuda"
-    _register_verl_cpu_platform()
+    if has_platform_registry():
+        os.environ["VERL_PLATFORM"] = VERL_PLATFORM
+        os.environ["VERL_ENGINE_DEVICE"] = "cuda"
+        _register_verl_cpu_platform()
     from verl.utils.device import get_device_name
 
     name = get_device_name()
     if name != "cpu":
-        raise RuntimeError("verl resolved its platform (%s) before the CPU platform was registered" % name)
+        raise RuntimeError("verl's device is %s, not cpu (platform resolved too early, or a GPU host)" % name)
     return name
+
+
+def register_verl_engine_for_cpu():
+    """verl < 0.9 has no ``VERL_ENGINE_DEVICE``: register verl's own FSDP engine classes for device ``cpu`` too.
+
+    Through verl's public ``EngineRegistry.register`` (it leaves existing entries alone).
+    """
+    if has_platform_registry():
+        return
+    from verl.workers.engine import EngineRegistry
+    from verl.workers.engine.fsdp import transformer_impl
+
+    EngineRegistry.register(model_type="language_model", backend=["fsdp", "fsdp2"], device="cpu")(
+        transformer_impl.FSDPEngineWithLMHead)
 
 
 # ---------------------------------------------------------------------------

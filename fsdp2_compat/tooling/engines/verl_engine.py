@@ -45,8 +45,10 @@ def runnable():
     if version is None or spec is None or not spec.submodule_search_locations:
         return "verl is not installed"
     root = list(spec.submodule_search_locations)[0]
-    if not os.path.isfile(os.path.join(root, "plugin", "platform", "__init__.py")):
-        return "verl %s has no platform registry (verl.plugin.platform, 0.9.0+) to register a CPU platform with" % version
+    if not guards.in_range(version, ">=0.8.0"):
+        return "verl %s: the engine harness is written for verl 0.8+'s FSDP engine API" % version
+    if not os.path.isfile(os.path.join(root, "workers", "engine", "fsdp", "transformer_impl.py")):
+        return "verl %s has no verl.workers.engine.fsdp.transformer_impl" % version
     # What verl.workers.engine imports beyond verl's declared core (tf5.txt lists them).
     missing = [m for m in ("datasets", "codetiming", "PIL", "tensordict") if importlib.util.find_spec(m) is None]
     if missing:
@@ -220,6 +222,7 @@ def train_verl_engine(rank, world, family, model_dir, patches, fused=False, bf16
     from verl.utils.model import get_hf_auto_model_class
     from verl.workers.utils.losses import sft_loss
 
+    cpu.register_verl_engine_for_cpu()
     engine, model_config = _engine(model_dir, fused, bf16)
     result.update(engine_class=type(engine).__name__, device=device)
     try:
@@ -242,30 +245,31 @@ def train_verl_engine(rank, world, family, model_dir, patches, fused=False, bf16
     for step in range(steps):
         per_rank = [make_samples(family, reference, seed=1000 + step * world + r) for r in range(world)]
         data = to_tensordict(per_rank[rank], fused, model_config.tokenizer.pad_token_id)
-        try:
-            with engine.train_mode(disable_auto_offload=True, zero_grad_on_exit=False):
+        # Everything inside train_mode: verl 0.8 zeroes the gradients when it exits.
+        with engine.train_mode(disable_auto_offload=True, zero_grad_on_exit=False):
+            try:
                 if step == 0:
                     engine.optimizer_zero_grad()
                     out = engine.forward_backward_batch(data, loss_fn, forward_only=False)
                 else:
                     out = engine.train_batch(data, loss_fn)  # steps the optimizer itself; gradients kept
-        except Exception as exc:
-            result["error"] = "step %d: %s: %s" % (step, type(exc).__name__, first_line(exc))
-            return result
-        loss = sum(out["loss"]) if isinstance(out["loss"], list) else float(out["loss"])
-        ref_optimizer.zero_grad()
-        total, terms = reference_loss(reference, [s for samples in per_rank for s in samples], fused)
-        total.backward()
-        # verl reports this rank's loss times dp_size (sft_loss): the reference terms of its samples, likewise.
-        mine = float(sum(terms[rank * SAMPLES_PER_RANK:(rank + 1) * SAMPLES_PER_RANK]).detach()) * world
-        result["losses"].append(round(loss, 7))
-        result["loss_err"] = max(result["loss_err"], abs(loss - mine) / (1 + abs(mine)))
-        common.compare(module, reference, result, "step%d" % step)
-        if step == 0:
-            grad_norm = engine.optimizer_step()
-            ref_norm = float(torch.linalg.vector_norm(torch.stack(
-                [torch.linalg.vector_norm(p.grad) for p in reference.parameters() if p.grad is not None])))
-            result["grad_norm_err"] = abs(float(grad_norm) - ref_norm) / (1 + ref_norm)
+            except Exception as exc:
+                result["error"] = "step %d: %s: %s" % (step, type(exc).__name__, first_line(exc))
+                return result
+            loss = sum(out["loss"]) if isinstance(out["loss"], list) else float(out["loss"])
+            ref_optimizer.zero_grad()
+            total, terms = reference_loss(reference, [s for samples in per_rank for s in samples], fused)
+            total.backward()
+            # verl reports this rank's loss times dp_size (sft_loss): the reference terms of its samples, likewise.
+            mine = float(sum(terms[rank * SAMPLES_PER_RANK:(rank + 1) * SAMPLES_PER_RANK]).detach()) * world
+            result["losses"].append(round(loss, 7))
+            result["loss_err"] = max(result["loss_err"], abs(loss - mine) / (1 + abs(mine)))
+            common.compare(module, reference, result, "step%d" % step)
+            if step == 0:
+                grad_norm = engine.optimizer_step()
+                ref_norm = float(torch.linalg.vector_norm(torch.stack(
+                    [torch.linalg.vector_norm(p.grad) for p in reference.parameters() if p.grad is not None])))
+                result["grad_norm_err"] = abs(float(grad_norm) - ref_norm) / (1 + ref_norm)
         ref_optimizer.step()
         result["param_err_after_step%d" % step] = common.param_err(module, reference)
     result["step_s"] = round(time.perf_counter() - t0, 2)
