@@ -22,8 +22,8 @@ SkyRL looks them up: ``fsdp_strategy.create_device_mesh`` and
 ``fsdp_utils._sync_non_persistent_buffers`` (a global of
 ``fsdp2_load_full_state_dict``), and only where the installed helpers, and
 ``fsdp2_load_full_state_dict`` that calls one of them, are the code the copies
-were written from (``SKYRL_HELPERS``; skyrl 0.2.0-0.4.0).  skyrl 0.1.0 moves
-its state dict to CUDA inline: not runnable on CPU without replacing more.
+were written from (``SKYRL_HELPERS``: skyrl 0.3.0-0.4.0).  skyrl 0.2.0 loads
+its state dict with other code, and 0.1.0 moves it to CUDA inline: not run here.
 ``bert_padding_during_import`` makes a pure-torch ``flash_attn.bert_padding``
 visible while SkyRL's ``model_wrapper`` imports it at module top (flash-attn
 has no CPU build; the padding-free path that would call it stays off).
