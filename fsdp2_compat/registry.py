@@ -13,13 +13,15 @@ derived from it (``for_model_type``, ``selection_model_types``).
 Rules that need the whole catalogue live here too (``siblings``).
 """
 
-from .integrations import skyrl, verl
+from .integrations import areal, llamafactory, skyrl, verl
 from .core.records import Patch
 
-# The corrected FSDP2 wrap selection, in every framework release that has the bug.
-WRAP_SELECTION = (verl.WRAP_SELECTION_INLINE, verl.WRAP_SELECTION, skyrl.SKYRL, skyrl.SKYRL_TRAIN)
+# The corrected FSDP2 wrap selection, in every framework release that has the bug
+# (LLaMA-Factory: with its layer-class lookup, which ignores transformers 5.x's set).
+WRAP_SELECTION = (verl.WRAP_SELECTION_INLINE, verl.WRAP_SELECTION, skyrl.SKYRL, skyrl.SKYRL_TRAIN,
+                  areal.WRAP_SELECTION, llamafactory.WRAP_SELECTION, llamafactory.LAYER_CLASS_LOOKUP)
 
-_SELECTION_REFS = ("SkyRL issue #2087", "SkyRL PR #2088")
+_SELECTION_REFS = ("SkyRL issue #2087", "SkyRL PR #2088", "LLaMA-Factory PR #10656 (layer-class lookup, main only)")
 _SELECTION_DELETE = (
     "when every framework release you run selects only layer classes and the untied "
     "input embedding for their own FSDP2 groups (SkyRL PR #2088 released; verl has no fix yet)"
@@ -157,18 +159,27 @@ def selection_model_types():
     return {mt: p.name for p in PATCHES if fixes_selection(p) for mt in p.model_types}
 
 
+def seam_kind(target):
+    """What a target fixes, without the layout note: ``"FSDP2 wrap selection (inline loop)"`` -> ``"FSDP2 wrap selection"``."""
+    return target.what.split(" (")[0]
+
+
 def siblings(target, patch_names):
-    """The other targets of ``patch_names`` that patch the same module as ``target``.
+    """The other targets of ``patch_names`` that fix the same thing in the same module as ``target``.
 
     verl's wrap selection moved from an inline loop (``apply_fsdp2``, up to
     0.7.0) to ``_select_fsdp2_wrap_targets`` (0.7.1+): a patch carries one
     target per code layout, and any release's code fits only one of them.
     The other is then "another seam", not a refusal (``core.policy``).
+    Targets of one module that fix different things (LLaMA-Factory's
+    selection and its layer-class lookup, ``seam_kind``) are not layouts of
+    each other: each needs its own code to fit.
     """
     out = []
     for name in sorted(patch_names):
         for other in patch(name).targets:
-            if other is not target and other.dist == target.dist and other.module == target.module and other not in out:
+            if (other is not target and other.dist == target.dist and other.module == target.module
+                    and seam_kind(other) == seam_kind(target) and other not in out):
                 out.append(other)
     return out
 
@@ -185,7 +196,7 @@ def where(p):
 
     spans = {}
     for t in p.targets:
-        what = t.what.split(" (")[0]
+        what = seam_kind(t)
         releases = [Version(v) for label in t.fingerprints for v in label.split("-")]
         lo, hi = spans.get((what, t.dist), (None, None))
         lo = min([x for x in (lo, min(releases)) if x is not None])

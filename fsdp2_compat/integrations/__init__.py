@@ -10,9 +10,10 @@ the tooling and the tests read.
 Adding a framework is one module here plus its targets in the registry.
 """
 
-from . import skyrl, verl
+from . import areal, llamafactory, skyrl, verl
 
-INTEGRATIONS = (verl.INTEGRATION, skyrl.SKYRL_INTEGRATION, skyrl.SKYRL_TRAIN_INTEGRATION)
+INTEGRATIONS = (verl.INTEGRATION, skyrl.SKYRL_INTEGRATION, skyrl.SKYRL_TRAIN_INTEGRATION, areal.INTEGRATION,
+                llamafactory.INTEGRATION)
 
 _BY_DIST = {i.dist: i for i in INTEGRATIONS}
 

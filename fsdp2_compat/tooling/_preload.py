@@ -11,6 +11,8 @@ for _name in (
     "fsdp2_compat.tooling.scenarios",
     "verl.utils.fsdp_utils",
     "skyrl_train.distributed.fsdp_utils",
+    "areal.engine.fsdp_utils.parallel",  # import areal: ~3.5 s (areal.infra) per rank otherwise
+    "llamafactory.v1.plugins.trainer_plugins.distributed.fsdp2",
 ):
     try:
         importlib.import_module(_name)

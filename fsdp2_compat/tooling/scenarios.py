@@ -178,25 +178,28 @@ def _compare_grads(model, reference, result):
                 result["grad_rel_to_max"], result["worst_rel_to_max"] = rel, name
 
 
-def train(rank, world, framework, family, patches, steps=2, tie=False, lr=0.05):
+def train(rank, world, framework, family, patches, steps=2, tie=False, lr=0.05, lora=False):
     """One scenario on this rank; see the module docstring for the result.
 
-    ``tie``: as for ``tiny_models.build`` (False, True or ``"weights-only"``).
+    The model is sharded through the framework's own entry point
+    (``frameworks.shard``: ``apply_fsdp2``, AReaL's ``parallelize_model``,
+    LLaMA-Factory's ``FSDP2Engine.prepare_model``).  ``tie``: as for
+    ``tiny_models.build`` (False, True or ``"weights-only"``); ``lora``: wrap
+    the model in a peft LoRA model first (``with_lora``).
     """
     import copy
 
-    from torch.distributed.device_mesh import init_device_mesh
-
     import fsdp2_compat
-    from fsdp2_compat.tooling import tiny as tiny_models
+    from fsdp2_compat.tooling import frameworks, tiny as tiny_models
 
     if patches:
         fsdp2_compat.apply(patches)
-    fsdp_utils = import_fsdp_utils(framework)
+    import_fsdp_utils(framework)
 
     model = tiny_models.build(family, tie=tie, seed=0)
+    if lora:
+        model = with_lora(model)
     reference = copy.deepcopy(model)
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))  # named, as verl and SkyRL do
     result = {
         "wrapped": None,
         "error": None,
@@ -208,9 +211,9 @@ def train(rank, world, framework, family, patches, steps=2, tie=False, lr=0.05):
         "grads_checked": 0,
     }
     try:
-        fsdp_utils.apply_fsdp2(model, {"mesh": mesh}, {})
+        frameworks.shard(framework, model, world)
     except Exception as exc:  # torch refuses some broken plans at wrap time
-        result["error"] = "apply_fsdp2: %s: %s" % (type(exc).__name__, first_line(exc))
+        result["error"] = "%s: %s: %s" % (frameworks.entry_name(framework), type(exc).__name__, first_line(exc))
         return result
     result["wrapped"] = wrapped_module_names(model)
 
@@ -222,6 +225,18 @@ def train(rank, world, framework, family, patches, steps=2, tie=False, lr=0.05):
         return [tiny_models.make_batch(family, reference, seed=1 + step * world + r) for r in range(world)]
 
     return train_against_reference(model, reference, rank, world, result, batches_for, loss_of, steps, lr)
+
+
+def with_lora(model, seed=0):
+    """``model`` as a peft LoRA model (r=4 on ``q_proj`` / ``v_proj``, Gaussian-initialised ``lora_B``,
+    so the adapters change the output and get gradients from the first step)."""
+    import peft
+    import torch
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights="gaussian")
+        return peft.get_peft_model(model, config)
 
 
 def _rel_to_max(actual, expected):

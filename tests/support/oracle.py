@@ -38,14 +38,11 @@ def wrap_units(rank, world, framework, families, tree=None, patches=None, unpatc
     Returns ``{"units": {"<family>/<tie variant>": [...] or "error: ..."}, "unpatched": {...},
     "mode": {...}}`` (tie variants: ``TIE_VARIANTS``).
     """
-    from torch.distributed.device_mesh import init_device_mesh
-
     import fsdp2_compat
-    from fsdp2_compat.tooling import tiny as tiny_models
+    from fsdp2_compat.tooling import frameworks, tiny as tiny_models
     from fsdp2_compat.tooling.scenarios import first_line, import_fsdp_utils, wrapped_module_names
 
     fsdp_utils = import_fsdp_utils(framework)
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
 
     def plan(families):
         out = {}
@@ -54,7 +51,7 @@ def wrap_units(rank, world, framework, families, tree=None, patches=None, unpatc
                 model = tiny_models.build(family, tie=_TIE_ARG[tie])
                 key = "%s/%s" % (family, tie)
                 try:
-                    fsdp_utils.apply_fsdp2(model, {"mesh": mesh}, {})
+                    frameworks.shard(framework, model, world)
                     out[key] = wrapped_module_names(model)
                 except Exception as exc:
                     out[key] = "error: %s: %s" % (type(exc).__name__, first_line(exc))

@@ -21,14 +21,11 @@ def wrap_plans(rank, world, framework, families, patches):
     "auxiliary": [...]}}``; the auxiliary embeddings are the ones the fix
     keeps in the root group.
     """
-    from torch.distributed.device_mesh import init_device_mesh
-
     import fsdp2_compat
-    from fsdp2_compat.tooling import tiny as tiny_models
+    from fsdp2_compat.tooling import frameworks, tiny as tiny_models
     from fsdp2_compat.fixes.selection import auxiliary_embeddings
 
-    fsdp_utils = import_fsdp_utils(framework)
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))  # named, as verl and SkyRL do
+    import_fsdp_utils(framework)
     plans = {}
     for family in families:
         plan = plans[family] = {}
@@ -37,7 +34,7 @@ def wrap_plans(rank, world, framework, families, patches):
             if label == "patched":
                 fsdp2_compat.apply(patches)
             try:
-                fsdp_utils.apply_fsdp2(model, {"mesh": mesh}, {})
+                frameworks.shard(framework, model, world)
                 plan[label] = wrapped_module_names(model)
             except Exception as exc:
                 plan[label] = "error: %s: %s" % (type(exc).__name__, first_line(exc))
