@@ -1,5 +1,6 @@
-"""Shard a model through each framework's own FSDP2 entry point, as its trainer calls it.
+"""Import each framework's FSDP2 module and shard a model through its own entry point.
 
+``import_fsdp_utils(framework)`` imports ``Integration.wrap_module``.
 ``shard(framework, model, world)`` runs, in a process whose default gloo group
 spans ``world`` ranks:
 
@@ -24,7 +25,10 @@ Nothing here is CUDA-bound: AReaL's ``current_platform`` is its CPU platform
 and LLaMA-Factory's accelerator helper falls back to CPU on a CPU-only torch.
 """
 
+import importlib
+import importlib.machinery
 import os
+import sys
 
 ENTRY = {"llamafactory": "prepare_model"}  # the name a wrap-time error is reported under; else apply_fsdp2
 
@@ -41,12 +45,57 @@ def shard(framework, model, world):
         return _llamafactory(model, world)
     from torch.distributed.device_mesh import init_device_mesh
 
-    from .scenarios import import_fsdp_utils
-
     fsdp_utils = import_fsdp_utils(framework)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
     fsdp_utils.apply_fsdp2(model, {"mesh": mesh}, {})
     return model
+
+
+def import_fsdp_utils(framework):
+    """Import the framework's real ``fsdp_utils`` module.
+
+    skyrl 0.2.0+ cannot ``import skyrl.backends`` on Python < 3.12 (its
+    ``__init__`` pulls a pydantic model that needs 3.12's TypedDict), although
+    ``fsdp_utils`` itself does not need that package ``__init__``.  There, and
+    only there, the package is registered without running its ``__init__``;
+    the module under test is still the released file, executed unchanged.
+    """
+    from fsdp2_compat import integrations
+
+    name = integrations.get(framework).wrap_module
+    if framework == "skyrl":
+        ensure_skyrl_backends_package()
+    return importlib.import_module(name)
+
+
+def ensure_skyrl_backends_package():
+    """Make ``skyrl.backends`` importable on Python < 3.12 (see ``import_fsdp_utils``)."""
+    import os
+    import types
+
+    if "skyrl.backends" in sys.modules:
+        return
+    try:
+        importlib.import_module("skyrl.backends")
+        return
+    except Exception as exc:  # pydantic.errors.PydanticUserError
+        if getattr(exc, "code", None) != "typed-dict-version":
+            raise
+    # Drop what the failed import left half-initialised.
+    for mod in [m for m in sys.modules if m == "skyrl.tinker.types" or m.startswith("skyrl.backends")]:
+        del sys.modules[mod]
+    import skyrl
+
+    path = os.path.join(os.path.dirname(skyrl.__file__), "backends")
+    pkg = types.ModuleType("skyrl.backends", "skyrl.backends, __init__ skipped (Python < 3.12)")
+    pkg.__path__ = [path]
+    pkg.__package__ = "skyrl.backends"
+    pkg.__file__ = os.path.join(path, "__init__.py")
+    spec = importlib.machinery.ModuleSpec("skyrl.backends", None, is_package=True)
+    spec.submodule_search_locations = [path]
+    pkg.__spec__ = spec
+    sys.modules["skyrl.backends"] = pkg
+    skyrl.backends = pkg
 
 
 _areal_helpers = {}  # (id of the default group, world) -> ParallelHelper (its mesh is built once)
@@ -74,6 +123,11 @@ _lf_group = []  # the default group LLaMA-Factory's DistributedInterface created
 
 
 def _llamafactory(model, world):
+    return llamafactory_engine(world).prepare_model(model)
+
+
+def llamafactory_engine(world):
+    """``FSDP2Engine({"name": "fsdp2"}, bf16=False)`` on the process group LLaMA-Factory created itself."""
     import torch.distributed as dist
     from llamafactory.v1.accelerator.interface import DistributedInterface
     from llamafactory.v1.plugins.trainer_plugins.distributed import fsdp2
@@ -81,8 +135,7 @@ def _llamafactory(model, world):
     current = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
     if not (DistributedInterface._initialized and _lf_group and current is _lf_group[0]):
         _hand_over_group(DistributedInterface, world)
-    engine = fsdp2.FSDP2Engine({"name": "fsdp2"}, bf16=False)
-    return engine.prepare_model(model)
+    return fsdp2.FSDP2Engine({"name": "fsdp2"}, bf16=False)
 
 
 def _free_port():

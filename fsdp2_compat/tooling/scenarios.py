@@ -1,8 +1,9 @@
-"""Training scenarios on real FSDP2, through each framework's own ``apply_fsdp2``.
+"""Training scenarios on real FSDP2, through each framework's own entry point (``frameworks.shard``).
 
 ``train(rank, world, framework, family, patches, ...)`` builds a tiny model,
 keeps an unsharded deep copy as the reference, shards the model with the
-framework's real ``apply_fsdp2`` and runs optimizer steps where every rank
+framework's real ``apply_fsdp2`` (``FSDP2Engine.prepare_model`` for
+LLaMA-Factory, ``parallelize_model`` for AReaL) and runs optimizer steps where every rank
 gets *different* data.  The reference trains on the mean of all ranks'
 losses, i.e. the data-parallel average gradient, so a rank that only sees its
 own gradient (the ``full_tensor()`` trap) cannot match it.
@@ -18,57 +19,9 @@ parameters against the reference.
 """
 
 import contextlib
-import importlib
-import importlib.machinery
-import sys
 import warnings
 
-
-def import_fsdp_utils(framework):
-    """Import the framework's real ``fsdp_utils`` module.
-
-    skyrl 0.2.0+ cannot ``import skyrl.backends`` on Python < 3.12 (its
-    ``__init__`` pulls a pydantic model that needs 3.12's TypedDict), although
-    ``fsdp_utils`` itself does not need that package ``__init__``.  There, and
-    only there, the package is registered without running its ``__init__``;
-    the module under test is still the released file, executed unchanged.
-    """
-    from fsdp2_compat import integrations
-
-    name = integrations.get(framework).wrap_module
-    if framework == "skyrl":
-        ensure_skyrl_backends_package()
-    return importlib.import_module(name)
-
-
-def ensure_skyrl_backends_package():
-    """Make ``skyrl.backends`` importable on Python < 3.12 (see ``import_fsdp_utils``)."""
-    import os
-    import types
-
-    if "skyrl.backends" in sys.modules:
-        return
-    try:
-        importlib.import_module("skyrl.backends")
-        return
-    except Exception as exc:  # pydantic.errors.PydanticUserError
-        if getattr(exc, "code", None) != "typed-dict-version":
-            raise
-    # Drop what the failed import left half-initialised.
-    for mod in [m for m in sys.modules if m == "skyrl.tinker.types" or m.startswith("skyrl.backends")]:
-        del sys.modules[mod]
-    import skyrl
-
-    path = os.path.join(os.path.dirname(skyrl.__file__), "backends")
-    pkg = types.ModuleType("skyrl.backends", "skyrl.backends, __init__ skipped (Python < 3.12)")
-    pkg.__path__ = [path]
-    pkg.__package__ = "skyrl.backends"
-    pkg.__file__ = os.path.join(path, "__init__.py")
-    spec = importlib.machinery.ModuleSpec("skyrl.backends", None, is_package=True)
-    spec.submodule_search_locations = [path]
-    pkg.__spec__ = spec
-    sys.modules["skyrl.backends"] = pkg
-    skyrl.backends = pkg
+from .frameworks import ensure_skyrl_backends_package, import_fsdp_utils  # noqa: F401  (re-exported)
 
 
 def first_line(exc):

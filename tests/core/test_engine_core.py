@@ -173,6 +173,18 @@ def test_a_sibling_target_that_fits_the_code_makes_the_other_one_a_seam_not_a_re
     assert engine.is_applied("toy")
 
 
+def test_targets_fixing_different_things_in_one_module_are_refused_separately(toy, monkeypatch, capsys):
+    """Not layouts of each other (LLaMA-Factory's selection and its layer-class lookup): unknown code of
+    one is refused with the warning line even though the other fits and applies."""
+    toy.register(monkeypatch, toy.patch(toy.select, toy.prepare))
+    monkeypatch.setattr(toy.prepare, "fingerprints", {"1.0-1.1": "0000000000000000"})
+    utils = toy.import_utils()
+    fsdp2_compat.apply("toy")
+    assert outcome_of(toy.select).kind == engine.APPLIED
+    assert outcome_of(toy.prepare).kind == engine.DRIFTED and utils.Engine().prepare(3) == ("upstream", 3)
+    assert "patch toy NOT applied to f2c-toy 1.2.0 (toy method)" in capsys.readouterr().err
+
+
 def test_a_release_declared_not_to_need_the_target_is_not_a_refusal(toy, monkeypatch, capsys):
     toy.register(monkeypatch, toy.patch())
     monkeypatch.setattr(toy.select, "fingerprints", {"1.0-1.1": "0000000000000000"})
