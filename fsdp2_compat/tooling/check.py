@@ -3,7 +3,8 @@
 For every installed framework release and every model family a patch
 covers (the catalogue's ``model_types``, where the tiny harness has that
 family), build a tiny model from its config (no downloads), wrap it with the
-framework's own ``apply_fsdp2`` on a one-rank CPU gloo group, and run a
+framework's own entry point (``apply_fsdp2``; AReaL's ``parallelize_model``,
+LLaMA-Factory's ``FSDP2Engine.prepare_model``) on a one-rank CPU gloo group, and run a
 training step twice: unpatched, then with the family's patch.  Each row says
 what upstream does (the exact error, or "ok"), what the patched run does,
 whether its loss matches an unsharded reference, and the patch that fixes
@@ -37,11 +38,41 @@ def _short(error):
 
 
 def _captured(fn, *args, **kwargs):
-    """``fn(...)`` with Python-level stdout/stderr captured; returns (result, text)."""
+    """``fn(...)`` with Python-level stdout/stderr captured; returns (result, text).
+
+    Logging handlers that hold the process's stdout / stderr (LLaMA-Factory logs
+    to a ``StreamHandler(sys.stdout)`` it made at import, AReaL to its own) write
+    into the capture too, so ``--json`` output stays JSON; so do handlers made
+    while an earlier capture was on (they hold its buffer).
+    """
     buf = io.StringIO()
-    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+    _buffers.append(buf)
+    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf), _log_streams_to(buf):
         result = fn(*args, **kwargs)
     return result, buf.getvalue()
+
+
+_buffers = []  # every capture buffer of this process (a logging handler may have kept one)
+
+
+@contextlib.contextmanager
+def _log_streams_to(buf):
+    import logging
+
+    streams = {id(s) for s in (sys.__stdout__, sys.__stderr__, sys.stdout, sys.stderr) + tuple(_buffers)
+               if s is not None}
+    moved = []
+    loggers = [logging.getLogger()] + [v for v in logging.Logger.manager.loggerDict.values()
+                                       if isinstance(v, logging.Logger)]
+    for logger in loggers:
+        for handler in logger.handlers:
+            if type(handler) is logging.StreamHandler and id(handler.stream) in streams:
+                moved.append((handler, handler.setStream(buf)))
+    try:
+        yield
+    finally:
+        for handler, stream in reversed(moved):
+            handler.setStream(stream)
 
 
 def _run(fn, *args, **kwargs):
@@ -174,7 +205,7 @@ def run_checks(families=None, frameworks=None, progress=None):
         if version is None:
             continue
         try:
-            scenarios.import_fsdp_utils(framework)
+            _captured(scenarios.import_fsdp_utils, framework)  # AReaL announces its platform on import
         except Exception as exc:  # installed but not importable here: say so once
             rows.append({
                 "framework": framework, "version": version, "family": "-", "kind": "selection",

@@ -133,7 +133,8 @@ def llamafactory_engine(world):
     from llamafactory.v1.plugins.trainer_plugins.distributed import fsdp2
 
     current = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
-    if not (DistributedInterface._initialized and _lf_group and current is _lf_group[0]):
+    interface = DistributedInterface._instance
+    if not (interface is not None and interface._initialized and _lf_group and current is _lf_group[0]):
         _hand_over_group(DistributedInterface, world)
     return fsdp2.FSDP2Engine({"name": "fsdp2"}, bf16=False)
 

@@ -48,6 +48,20 @@ def test_check_fails_when_a_patch_does_not_fix_its_case(python):
     assert all(set(r["output"]) == {"unpatched", "patched"} for r in report["rows"])
 
 
+@pytest.mark.skipif(guards.installed_version("llamafactory") is None, reason="llamafactory not in this pinned set")
+def test_check_rows_for_llamafactory_keep_its_log_and_show_the_layer_class_lookup_fixed(python):
+    """LLaMA-Factory logs to a stdout handler of its own: captured per case, never in the JSON stream."""
+    proc = python(
+        "import sys; from fsdp2_compat.cli import main; sys.exit(main(['check', '--json', '--families', 'glm4v']))"
+    )
+    report = json.loads(proc.stdout)
+    [row] = [r for r in report["rows"] if r["framework"] == "llamafactory"]
+    assert "aten.grid_sampler_2d.default got mixed torch.Tensor and DTensor" in row["unpatched"], row
+    assert row["patched"] == "ok" and row["loss_match"] and row["fixed"], row
+    assert "Could not identify Transformer Layer class" in row["output"]["unpatched"], row["output"]
+    assert "Applying per-layer FSDP to Glm4vVisionBlock" in row["output"]["patched"], row["output"]
+
+
 VERL = guards.installed_version("verl")
 
 
