@@ -31,13 +31,16 @@ from support import oracle as oracle_jobs
 REPO = diffs.REPO
 
 # The upstream releases the pinned test sets (.ci/sets) install.
-PINNED = {"verl": ("0.7.0", "0.8.0", "0.9.1"), "skyrl": ("0.1.0", "0.3.0"), "skyrl-train": ("0.3.1",)}
+PINNED = {"verl": ("0.7.0", "0.8.0", "0.9.1"), "skyrl": ("0.1.0", "0.3.0"), "skyrl-train": ("0.3.1",),
+          "areal": ("1.0.4",), "llamafactory": ("0.9.5",)}
 RELEASES = [(d, v) for d, vs in PINNED.items() for v in vs]
 TOL = 1e-5
 
 
-def module_file(module):
-    return module.replace(".", "/") + ".py"
+def module_files(module):
+    """The two files a module can be (``a/b.py`` or the package ``a/b/__init__.py``)."""
+    stem = module.replace(".", "/")
+    return (stem + ".py", stem + "/__init__.py")
 
 
 def expected_diffs(dist, version):
@@ -108,7 +111,8 @@ def test_patch_set_is_exactly_what_the_registry_implies():
     for dist, version, path in ALL_DIFFS:
         targets = expected_diffs(dist, version)[path]
         # Each diff changes exactly the file of the module its targets patch at runtime.
-        assert diffs.diff_files(os.path.join(REPO, path)) == [module_file(targets[0].module)], path
+        [changed] = diffs.diff_files(os.path.join(REPO, path))
+        assert changed in module_files(targets[0].module), (path, changed)
         assert os.path.isfile(os.path.join(REPO, "patches", dist, version, "README.md")), (dist, version)
         assert os.path.relpath(path, "patches") in index or path in index, "%s is not in patches/README.md" % path
 
@@ -122,7 +126,7 @@ def test_pinned_sets_are_covered():
     for name in os.listdir(sets):
         with open(os.path.join(sets, name), encoding="utf-8") as f:
             for line in f:
-                m = re.match(r"^\s*(verl|skyrl|skyrl-train)==([\w.]+)\s*$", line)
+                m = re.match(r"^\s*(%s)==([\w.]+)\s*(#.*)?$" % "|".join(map(re.escape, PINNED)), line)
                 if m:
                     pins.add((m.group(1), m.group(2)))
     assert pins <= set(RELEASES), "pinned in .ci/sets but not in PINNED: %s" % sorted(pins - set(RELEASES))
