@@ -660,6 +660,52 @@ def test_torchrun_every_rank_applies(venv, tmp_path):
         assert _applied(r, "verl.utils.fsdp_utils"), (r["rank"], r["rows"])
 
 
+NEW_FRAMEWORKS = [d for d in ("areal", "llamafactory") if guards.installed_version(d)]
+
+RANK_MODULES = r"""
+import datetime, importlib, sys, torch.distributed as dist
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+for name in sys.argv[1:]:
+    importlib.import_module(name)
+r = report()
+r["rank"], r["world"] = dist.get_rank(), dist.get_world_size()
+gathered = [None] * r["world"]
+dist.all_gather_object(gathered, r)
+if r["rank"] == 0:
+    emit(gathered)
+dist.destroy_process_group()
+"""
+
+
+@slow
+@pytest.mark.skipif(not HAS_TORCH or not NEW_FRAMEWORKS, reason="neither areal nor llamafactory is installed")
+def test_torchrun_every_rank_applies_to_areal_and_llamafactory(venv, tmp_path):
+    """AReaL's local launcher and LLaMA-Factory's v1 launcher start the trainer ranks with torchrun and
+    the launcher's own environment: the variable alone reaches each rank, the bootstrap applies there."""
+    from fsdp2_compat import integrations
+
+    modules = [integrations.get(d).wrap_module for d in NEW_FRAMEWORKS]
+    script = tmp_path / "rank.py"
+    script.write_text(REPORT + RANK_MODULES)
+    proc = subprocess.run(
+        [venv.python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)] + modules,
+        env=_clean_env(FSDP2_COMPAT_PATCHES="glm4v", OMP_NUM_THREADS="1"),
+        cwd=str(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    ranks = _result(proc)
+    assert sorted(r["rank"] for r in ranks) == [0, 1]
+    for r in ranks:
+        _assert_installed_copy(venv, r)
+        assert r["decisions"]["bootstrap"]["active"] is True, r["decisions"]
+        for module in modules:
+            expected = 2 if module.startswith("llamafactory") else 1  # selection and layer-class lookup
+            assert len(_applied(r, module)) == expected, (r["rank"], module, r["rows"])
+
+
 # -- the start-up benchmark ---------------------------------------------------------------
 
 
