@@ -95,6 +95,27 @@ def strict_setting(environ=None):
     return value.strip() if value is not None and value.strip() else None
 
 
+STRICT_OFF, STRICT_ON, STRICT_PROVEN = None, "on", "proven"
+
+
+def strict_level(value):
+    """Normalise ``strict`` (bool, None, ``"1"``, ``"proven"``, ...) to ``STRICT_OFF / _ON / _PROVEN``."""
+    if value in (None, False, ""):
+        return STRICT_OFF
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text == STRICT_PROVEN:
+            return STRICT_PROVEN
+        return STRICT_ON if is_true(text) else STRICT_OFF
+    return STRICT_ON if value else STRICT_OFF
+
+
+def stricter(a, b):
+    """The stricter of two levels (a patch requested twice keeps its strictest request)."""
+    order = (STRICT_OFF, STRICT_ON, STRICT_PROVEN)
+    return a if order.index(a) >= order.index(b) else b
+
+
 def strict_from_env(environ=None):
     """True when ``FSDP2_COMPAT_STRICT`` asks for refusals and failures to raise (``1`` or ``proven``)."""
     value = strict_setting(environ)

@@ -30,26 +30,7 @@ from .outcomes import APPLIED, DRIFTED, NOT_NEEDED, OTHER_SEAM, VERSION
 APPLY = "apply"
 REFUSE = "refuse"
 
-STRICT_OFF, STRICT_ON, STRICT_PROVEN = None, "on", "proven"
-
-
-def strict_level(value):
-    """Normalise ``strict`` (bool, None, ``"1"``, ``"proven"``, ...) to a level."""
-    if value in (None, False, ""):
-        return STRICT_OFF
-    if isinstance(value, str):
-        text = value.strip().lower()
-        if text == STRICT_PROVEN:
-            return STRICT_PROVEN
-        from .config import is_true
-
-        return STRICT_ON if is_true(text) else STRICT_OFF
-    return STRICT_ON if value else STRICT_OFF
-
-
-def stricter(a, b):
-    order = (STRICT_OFF, STRICT_ON, STRICT_PROVEN)
-    return a if order.index(a) >= order.index(b) else b
+from .config import STRICT_PROVEN
 
 
 def code_label(target, module, lookup):
