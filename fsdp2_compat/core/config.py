@@ -16,7 +16,7 @@ One owner for each name and each policy:
     training on its own.
 - ``FSDP2_COMPAT_STRICT``: ``1`` turns a requested patch that cannot apply
   (unknown code, a failure) into an error; ``proven`` also refuses code
-  outside the proven range (``strict_setting``, ``core.policy.strict_level``).
+  outside the proven range (``strict_setting``, ``strict_level``).
 - ``FSDP2_COMPAT_DISABLE_BOOTSTRAP``: keep the ``.pth`` inert while the
   variable still reaches the other ways in.
 
