@@ -25,12 +25,11 @@ Stdlib only at import; ``guards`` imports packaging lazily.
 """
 
 from . import guards
+from .config import STRICT_PROVEN
 from .outcomes import APPLIED, DRIFTED, NOT_NEEDED, OTHER_SEAM, VERSION
 
 APPLY = "apply"
 REFUSE = "refuse"
-
-from .config import STRICT_PROVEN
 
 
 def code_label(target, module, lookup):
