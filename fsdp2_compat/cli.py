@@ -77,8 +77,21 @@ def _cmd_list(args):
         print("%-14s %s" % (p.name, p.summary))
         print("%-14s model types: %s%s" % ("", ", ".join(p.families), "; " + p.note if p.note else ""))
         for t in p.targets:
-            print("%-14s   %s %s  %s.%s" % ("", t.dist, t.versions, t.module, t.attr))
+            print("%-14s   %s.%s (%s)" % ("", t.module, t.attr, t.dist))
+            for line in classification(t):
+                print("%-14s       %s" % ("", line))
     return 0
+
+
+def classification(t):
+    """How the catalogue classifies every release of ``t.dist`` for target ``t`` (the census checks it)."""
+    lines = ["code known: %s" % ", ".join("%s (%s)" % (label, fp) for label, fp in t.fingerprints.items()),
+             "proven on: %s" % t.versions]
+    if t.fixed_in:
+        lines.append("fixed upstream: %s" % t.fixed_in)
+    for spec, reason in t.declared.items():
+        lines.append("declared %s: %s" % (spec, reason))
+    return lines
 
 
 def list_markdown():

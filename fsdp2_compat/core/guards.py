@@ -31,18 +31,27 @@ def in_range(version, spec):
     return SpecifierSet(spec).contains(version, prereleases=True)
 
 
+def _is_proxy(obj):
+    """True for a wrapt proxy (fsdp2-compat's seams, or another patcher's): not released code."""
+    return any(c.__name__ == "ObjectProxy" for c in type(obj).__mro__)
+
+
 def fingerprint(obj):
     """A short hash of the code of ``obj`` that ignores comments, docstrings and layout.
 
     Raises ``LookupError`` when the object has no retrievable source (a C
     function, a wrapper object, code built at runtime) or its file cannot be
     read or parsed any more: unknown code is never patched, and never a crash.
+
+    A wrapt proxy (ours or another patcher's) is refused: what we would replace
+    is not the released function.  A function decorated in the released source
+    itself (``functools.wraps``, e.g. torch's ``@_dynamo_disable``) is read as
+    that source reads, decorator included (``inspect`` follows ``__wrapped__``
+    to the ``def``), so it fingerprints like ``fingerprint_source`` of the file.
     """
     import inspect
 
-    if hasattr(obj, "__wrapped__"):
-        # Someone (maybe another patcher) already wrapped it: what we would
-        # replace is not the released function.
+    if _is_proxy(obj):
         raise LookupError("it is wrapped by %s, not the released function" % type(obj).__name__)
     try:
         source = inspect.getsource(obj)

@@ -25,31 +25,11 @@ Stdlib only at import; ``guards`` imports packaging lazily.
 """
 
 from . import guards
+from .config import STRICT_PROVEN
 from .outcomes import APPLIED, DRIFTED, NOT_NEEDED, OTHER_SEAM, VERSION
 
 APPLY = "apply"
 REFUSE = "refuse"
-
-STRICT_OFF, STRICT_ON, STRICT_PROVEN = None, "on", "proven"
-
-
-def strict_level(value):
-    """Normalise ``strict`` (bool, None, ``"1"``, ``"proven"``, ...) to a level."""
-    if value in (None, False, ""):
-        return STRICT_OFF
-    if isinstance(value, str):
-        text = value.strip().lower()
-        if text == STRICT_PROVEN:
-            return STRICT_PROVEN
-        from .config import is_true
-
-        return STRICT_ON if is_true(text) else STRICT_OFF
-    return STRICT_ON if value else STRICT_OFF
-
-
-def stricter(a, b):
-    order = (STRICT_OFF, STRICT_ON, STRICT_PROVEN)
-    return a if order.index(a) >= order.index(b) else b
 
 
 def code_label(target, module, lookup):

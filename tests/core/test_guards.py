@@ -50,18 +50,46 @@ def test_live_objects_fingerprint_like_their_released_source(tmp_path, monkeypat
 
 
 def test_code_without_source_or_already_wrapped_cannot_be_verified():
+    import wrapt
+
     with pytest.raises(LookupError, match="source is not available"):
         guards.fingerprint(len)
 
     def original():
         pass
 
-    def wrapper():
-        pass
+    proxy = wrapt.FunctionWrapper(original, lambda wrapped, instance, args, kwargs: wrapped(*args, **kwargs))
+    with pytest.raises(LookupError, match="wrapped by FunctionWrapper"):
+        guards.fingerprint(proxy)
 
-    wrapper.__wrapped__ = original
-    with pytest.raises(LookupError, match="wrapped"):
-        guards.fingerprint(wrapper)
+
+DECORATED = textwrap.dedent('''
+    import functools
+
+
+    def disable(fn):
+        @functools.wraps(fn)
+        def inner(*args, **kwargs):
+            return fn(*args, **kwargs)
+        return inner
+
+
+    class Group:
+        @disable
+        def post_backward(self, *unused):
+            return 1
+''')
+
+
+def test_a_function_decorated_in_the_released_source_fingerprints_like_its_file(tmp_path, monkeypatch):
+    """torch's ``@_dynamo_disable`` (functools.wraps) sits on methods we patch."""
+    (tmp_path / "f2c_guard_decorated.py").write_text(DECORATED)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import f2c_guard_decorated
+
+    method = f2c_guard_decorated.Group.__dict__["post_backward"]
+    assert hasattr(method, "__wrapped__")
+    assert guards.fingerprint(method) == guards.fingerprint_source(DECORATED, "Group.post_backward")
 
 
 def test_source_that_no_longer_parses_is_unknown_code_not_a_crash(tmp_path, monkeypatch):

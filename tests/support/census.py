@@ -1,0 +1,217 @@
+"""Release census: read target sources from every published release, without installing or importing them.
+
+``releases(dist)`` lists a distribution's releases from the package
+registry's JSON API; ``read_member(dist, version, path)`` returns the text of
+one file of that release (``None`` when the release has no such file).  A
+wheel is read with HTTP range requests (the zip's central directory and the
+one member), so even torch's 100+ MB wheels cost a few MB each; an sdist is
+downloaded whole.  Everything read is cached under ``.venv/census/`` so a
+second run asks the network for nothing.
+
+``classify(target, version, read)`` is the census verdict for one target in
+one release: ``covered`` (its code matches a recorded fingerprint, whose label
+includes the release), ``fixed`` (``fixed_in``), ``declared`` (a ``declared``
+spec, with its reason), or a problem: ``unclassified`` (code or absence the
+catalogue does not account for) or ``mislabelled`` (a fingerprint match whose
+label does not include the release).
+
+Failures to reach the registry raise ``CensusError`` naming the release.
+"""
+
+import io
+import json
+import os
+import tarfile
+import threading
+import urllib.parse
+import urllib.request
+import zipfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CACHE = os.environ.get("FSDP2_COMPAT_CENSUS_CACHE") or os.path.join(REPO, ".venv", "census")
+INDEX = os.environ.get("FSDP2_COMPAT_CENSUS_INDEX", "https://pypi.org/pypi")
+TIMEOUT = 60
+ABSENT = "\0absent\0"
+
+
+class CensusError(RuntimeError):
+    """A release could not be read; the message names it."""
+
+
+def _get(url, headers=None):
+    request = urllib.request.Request(url, headers=dict(headers or {}, **{"User-Agent": "fsdp2-compat-census"}))
+    with urllib.request.urlopen(request, timeout=TIMEOUT) as response:
+        return response.read()
+
+
+def releases(dist):
+    """``{version: [file dicts]}`` of every published release of ``dist`` that has files."""
+    url = "%s/%s/json" % (INDEX, dist)
+    try:
+        data = json.loads(_get(url))
+    except Exception as exc:
+        raise CensusError("cannot list the releases of %s from %s: %s: %s" % (dist, url, type(exc).__name__, exc))
+    out = {}
+    for version, files in data["releases"].items():
+        if files:
+            for f in files:
+                f["url"] = urllib.parse.urljoin(url, f["url"])
+            out[version] = files
+    return out
+
+
+def _pick(files):
+    """The cheapest file to read a release's Python sources from: a pure wheel, any wheel, or the sdist."""
+    wheels = [f for f in files if f["filename"].endswith(".whl")]
+    pure = [f for f in wheels if f["filename"].endswith("-none-any.whl")]
+    if pure:
+        return pure[0]
+    if wheels:
+        return min(wheels, key=lambda f: f["size"])
+    sdists = [f for f in files if f["filename"].endswith((".tar.gz", ".zip"))]
+    if sdists:
+        return sdists[0]
+    raise CensusError("no wheel or sdist among %s" % [f["filename"] for f in files])
+
+
+class _RemoteFile(io.RawIOBase):
+    """A seekable read-only view of a URL, fetched with HTTP range requests in cached blocks."""
+
+    BLOCK = 1 << 18
+
+    def __init__(self, url, size):
+        self.url, self.size, self.pos, self.blocks = url, size, 0, {}
+
+    def readable(self):
+        return True
+
+    def seekable(self):
+        return True
+
+    def tell(self):
+        return self.pos
+
+    def seek(self, offset, whence=0):
+        self.pos = {0: offset, 1: self.pos + offset, 2: self.size + offset}[whence]
+        return self.pos
+
+    def _block(self, index):
+        if index not in self.blocks:
+            start = index * self.BLOCK
+            end = min(self.size, start + self.BLOCK) - 1
+            self.blocks[index] = _get(self.url, {"Range": "bytes=%d-%d" % (start, end)})
+        return self.blocks[index]
+
+    def read(self, n=-1):
+        if n is None or n < 0:
+            n = self.size - self.pos
+        n = max(0, min(n, self.size - self.pos))
+        out = bytearray()
+        while len(out) < n:
+            index, offset = divmod(self.pos + len(out), self.BLOCK)
+            out += self._block(index)[offset:offset + n - len(out)]
+        self.pos += len(out)
+        return bytes(out)
+
+    def readinto(self, buffer):
+        data = self.read(len(buffer))
+        buffer[: len(data)] = data
+        return len(data)
+
+
+_archives = {}
+_lock = threading.Lock()
+
+
+def _members(dist, version, files):
+    """``(names, read(name))`` of the release's archive."""
+    key = (dist, version)
+    with _lock:
+        if key in _archives:
+            return _archives[key]
+    f = _pick(files)
+    try:
+        if f["filename"].endswith(".whl"):
+            zf = zipfile.ZipFile(_RemoteFile(f["url"], f["size"]))
+            names = zf.namelist()
+            result = (names, lambda name: zf.read(name).decode("utf-8", "replace"))
+        else:
+            data = _get(f["url"])
+            if f["filename"].endswith(".zip"):
+                zf = zipfile.ZipFile(io.BytesIO(data))
+                names = zf.namelist()
+                result = (names, lambda name: zf.read(name).decode("utf-8", "replace"))
+            else:
+                tf = tarfile.open(fileobj=io.BytesIO(data))
+                names = tf.getnames()
+                result = (names, lambda name: tf.extractfile(name).read().decode("utf-8", "replace"))
+    except CensusError:
+        raise
+    except Exception as exc:
+        raise CensusError("cannot read %s %s (%s): %s: %s" % (dist, version, f["filename"], type(exc).__name__, exc))
+    with _lock:
+        _archives[key] = result
+    return result
+
+
+def module_paths(module):
+    """Where ``module``'s source sits inside a package tree."""
+    base = module.replace(".", "/")
+    return (base + ".py", base + "/__init__.py")
+
+
+def read_module(dist, version, files, module):
+    """The source text of ``module`` in ``dist`` ``version`` (``None`` if the release lacks it); cached."""
+    cached = os.path.join(CACHE, dist, version, module + ".py")
+    if os.path.exists(cached):
+        text = open(cached, encoding="utf-8").read()
+        return None if text == ABSENT else text
+    names, read = _members(dist, version, files)
+    text = None
+    for path in module_paths(module):
+        # Wheels hold the package at the root; sdists under NAME-VERSION/ (sometimes src/).
+        hits = [n for n in names if n == path or n.endswith("/" + path)]
+        if hits:
+            text = read(min(hits, key=len))
+            break
+    os.makedirs(os.path.dirname(cached), exist_ok=True)
+    with open(cached, "w", encoding="utf-8") as out:
+        out.write(ABSENT if text is None else text)
+    return text
+
+
+def _label_range(label):
+    first, _, last = label.partition("-")
+    return first, last or first
+
+
+def classify(target, version, read):
+    """``(verdict, detail)`` for ``target`` in release ``version``; ``read()`` returns its module's source.
+
+    Releases that carry the fix or are declared are classified by the
+    catalogue's word alone: their sources are not read.
+    """
+    from fsdp2_compat.core import guards, policy
+    from packaging.version import Version
+
+    if target.fixed_in and guards.in_range(version, target.fixed_in):
+        return "fixed", "fixed upstream (%s)" % target.fixed_in
+    reason = policy.declared_reason(target, version)
+    if reason is not None:
+        return "declared", reason
+    text = read()
+    if text is None:
+        return "unclassified", "%s is not in this release, and no declared spec says so" % target.module
+    try:
+        fp = guards.fingerprint_source(text, target.attr)
+    except (LookupError, SyntaxError, ValueError) as exc:
+        return "unclassified", "%s.%s: %s" % (target.module, target.attr, exc)
+    for label, known in target.fingerprints.items():
+        if known == fp:
+            first, last = (Version(v) for v in _label_range(label))
+            if first <= Version(version) <= last:
+                return "covered", label
+            return "mislabelled", "code of the %s release (fingerprint %s), but %s is outside that label" % (
+                label, fp, version)
+    return "unclassified", "new code: fingerprint %s (recorded: %s)" % (
+        fp, ", ".join("%s=%s" % kv for kv in target.fingerprints.items()))
