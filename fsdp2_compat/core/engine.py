@@ -35,7 +35,9 @@ from .outcomes import (  # noqa: F401  (re-exported: callers say engine.APPLIED)
     NOT_REQUESTED,
     OTHER_SEAM,
     PROBLEMS,
+    REFUSALS,
     REVERTED,
+    UNSUPPORTED,
     VERSION,
     WAITING,
     Outcome,
@@ -204,7 +206,7 @@ def _report(outcome, patches=()):
         outcome.kind,
         " - " + outcome.detail if outcome.detail else "",
     )
-    if outcome.kind in (DRIFTED, VERSION) and patches:
+    if outcome.kind in REFUSALS and patches:
         from . import policy
 
         # Requested and refused: never silent.  One line on stderr, and the

@@ -36,16 +36,20 @@ class Target:
     fixed_in      specifier of releases that carry the fix (patch not needed)
     declared      {specifier: reason} for releases known to have nothing to patch
                   here (the module or function does not exist, or upstream's
-                  code there is already right): the release census requires
-                  every published release to be fingerprinted, fixed or declared
+                  code there is already right)
+    unsupported   {specifier: reason} for releases known to have the bug in code
+                  this target does not fit (a requested patch is refused there,
+                  with a warning).  The release census requires every published
+                  release to be fingerprinted, fixed, declared or unsupported
     diff          stem of the equivalent source diff: the file for release X is
                   ``patches/<dist>/<X>/<diff>.diff`` in the repository
     """
 
-    __slots__ = ("dist", "module", "attr", "versions", "fingerprints", "seam", "fixed_in", "declared", "diff", "what")
+    __slots__ = ("dist", "module", "attr", "versions", "fingerprints", "seam", "fixed_in", "declared",
+                 "unsupported", "diff", "what")
 
     def __init__(self, dist, module, attr, versions, fingerprints, seam, what, fixed_in=None, diff=None,
-                 declared=None):
+                 declared=None, unsupported=None):
         self.dist = dist
         self.module = module
         self.attr = attr
@@ -55,6 +59,7 @@ class Target:
         self.what = what
         self.fixed_in = fixed_in
         self.declared = dict(declared or {})
+        self.unsupported = dict(unsupported or {})
         self.diff = diff
 
     @property

@@ -225,6 +225,22 @@ def test_a_seam_can_say_its_fix_is_not_needed_here(toy, monkeypatch, capsys):
     assert not engine.is_ours(utils.select) and capsys.readouterr().err == ""
 
 
+def test_a_release_known_to_have_the_bug_in_other_code_is_refused_loudly(toy, monkeypatch, capsys):
+    toy.register(monkeypatch, toy.patch())
+    monkeypatch.setattr(toy.select, "fingerprints", {"1.0-1.1": "0000000000000000"})
+    monkeypatch.setattr(toy.select, "unsupported", {">=1.2": "reads the table through another function"})
+    utils = toy.import_utils()
+    fsdp2_compat.apply("toy")
+    outcome = outcome_of(toy.select)
+    assert outcome.kind == engine.UNSUPPORTED and "another function" in outcome.detail
+    assert not engine.is_ours(utils.select)
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert "patch toy NOT applied to f2c-toy 1.2.0" in line and "another function" in line
+    with pytest.raises(fsdp2_compat.Fsdp2CompatError, match="release not covered"):
+        fsdp2_compat.revert()
+        fsdp2_compat.apply("toy", strict=True)
+
+
 def test_failure_midway_leaves_nothing_half_applied(toy, monkeypatch):
     """The seam swaps two globals, then alias rebinding fails: both are restored."""
     toy.register(monkeypatch, toy.patch())
