@@ -11,6 +11,10 @@ for _name in (
     "fsdp2_compat.tooling.scenarios",
     "verl.utils.fsdp_utils",
     "skyrl_train.distributed.fsdp_utils",
+    "fsdp2_compat.tooling.trl_scenarios",
+    "trl.trainer.sft_trainer",
+    "trl.trainer.grpo_trainer",
+    "trl.trainer.distillation_trainer",
 ):
     try:
         importlib.import_module(_name)
