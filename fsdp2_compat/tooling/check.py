@@ -312,8 +312,13 @@ def main(args):
         return 1 if failed else 0
     if not rows:
         from fsdp2_compat import integrations
+        from fsdp2_compat.core import guards
 
-        print("nothing to check: none of %s is installed" % ", ".join(integrations.dists()))
+        found = ["%s %s" % (d, guards.installed_version(d)) for d in integrations.dists() if guards.installed_version(d)]
+        if found:
+            print("nothing to check for these families with %s" % ", ".join(found))
+        else:
+            print("nothing to check: none of %s is installed" % ", ".join(integrations.dists()))
         return 0
     print(format_rows(rows))
     skipped = sum(r["fixed"] is None for r in rows)
