@@ -110,8 +110,10 @@ class Integration:
 
     dist         distribution name as pip knows it (``skyrl-train``)
     package      its top-level import package (``skyrl_train``), for reading wheels
-    wrap_module  the module whose ``apply_fsdp2`` wraps a model for FSDP2
-    callers      modules that import ``apply_fsdp2`` by name (aliases the engine rebinds)
+    wrap_module  the module whose ``apply_fsdp2`` wraps a model for FSDP2; None when the
+                 framework leaves the wrapping to another package (TRL: accelerate)
+    callers      modules that import a target by name (aliases the engine rebinds):
+                 ``apply_fsdp2``, or TRL's ``add_fused_lm_head``
     """
 
     __slots__ = ("dist", "package", "wrap_module", "callers")

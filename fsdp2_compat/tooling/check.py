@@ -16,6 +16,10 @@ One rank cannot show the gradient-averaging bug (it needs different data on
 two ranks): a fused case whose unpatched run is "ok" while ``lm_head`` has
 an FSDP unit of its own is run again on two gloo ranks (separate processes),
 where "fixed" means the lm_head gradient matches the data-parallel average.
+Where TRL is installed, its SFT loss (``SFTTrainer.compute_loss`` through the
+fused LM head) runs the same way on a model prepared by accelerate's own FSDP2
+preparation, for ``TRL_FAMILIES`` ("TRL SFT, 2 ranks"; see
+``trl_scenarios``).
 
 What upstream prints while a case runs (verl announces its monkey patches)
 is captured per case: shown with ``--verbose`` or when the case is not
@@ -100,13 +104,22 @@ def quiet_train_fused(rank, world, *args, **kwargs):
     return result
 
 
-def _two_ranks(family, patch):
-    """``train_fused`` on 2 gloo ranks (separate processes) with different data per rank."""
+def quiet_train_trl(rank, world, *args, **kwargs):
+    """``trl_scenarios.train_trl`` in a rank process, its prints captured into ``result["output"]``."""
+    from .trl_scenarios import train_trl
+
+    result, output = _captured(train_trl, rank, world, *args, **kwargs)
+    result["output"] = output
+    return result
+
+
+def _two_ranks(fn, *args):
+    """``fn(rank, 2, *args, steps=1)`` on 2 gloo ranks (separate processes) with different data per rank."""
     from .ranks import run_ranks
     from .scenarios import first_line
 
     try:
-        results = run_ranks(quiet_train_fused, 2, family, patch, kwargs={"steps": 1})
+        results = run_ranks(fn, 2, *args, kwargs={"steps": 1})
     except Exception as exc:  # the scenario itself broke: report, do not die
         return {"error": "%s: %s" % (type(exc).__name__, first_line(exc)), "loss_err": None, "output": ""}
     errors = [r for r in results if r["error"] is not None]
@@ -173,6 +186,26 @@ def fused_cases(families=None):
     return out
 
 
+# TRL's check runs on these families only (each costs two 2-rank runs); the tests cover more.
+TRL_FAMILIES = ("qwen3_vl", "qwen2_5_vl")
+TRL_KIND = "TRL SFT, 2 ranks"
+
+
+def trl_cases(families=None):
+    """``[(family, patch)]`` for TRL: ``TRL_FAMILIES`` whose patch carries a TRL target (and in ``families``)."""
+    from fsdp2_compat import registry
+
+    from . import tiny
+
+    out = []
+    for mt in TRL_FAMILIES:
+        p = registry.for_model_type(mt)
+        if (families is None or mt in families) and p is not None and any(t.dist == "trl" for t in p.targets):
+            if tiny.available(mt) is True:
+                out.append((mt, p.name))
+    return out
+
+
 def run_checks(families=None, frameworks=None, progress=None):
     """Return the result rows; ``progress(message)`` is called before each case."""
     import datetime
@@ -202,7 +235,7 @@ def run_checks(families=None, frameworks=None, progress=None):
         if frameworks is not None and framework not in frameworks:
             continue
         version = guards.installed_version(framework)
-        if version is None:
+        if version is None or integration.wrap_module is None:  # TRL: accelerate wraps; its own case below
             continue
         try:
             _captured(scenarios.import_fsdp_utils, framework)  # AReaL announces its platform on import
@@ -219,6 +252,10 @@ def run_checks(families=None, frameworks=None, progress=None):
     if verl and guards.in_range(verl, ">=0.6.0") and (frameworks is None or "verl" in frameworks):
         # Last: verl's monkey patch rewrites model classes for the whole process.
         cases += [("verl", verl, family, patch, "fused forward") for family, patch in fused_cases(families)]
+    trl = guards.installed_version("trl")
+    if trl and guards.in_range(trl, ">=1.16.0") and (frameworks is None or "trl" in frameworks):
+        # TRL 1.15.0's fused head needs Triton: it cannot run on CPU.
+        cases += [("trl", trl, family, patch, TRL_KIND) for family, patch in trl_cases(families)]
     saved_filters = warnings.filters[:]
     try:
         warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
@@ -238,9 +275,12 @@ def run_checks(families=None, frameworks=None, progress=None):
                 if unpatched.get("error") is None and "lm_head" in (unpatched.get("wrapped") or ()):
                     # Runs on one rank with lm_head sharded apart: only two ranks can tell.
                     cases.append((framework, version, family, patch, "fused, 2 ranks"))
+            elif kind == TRL_KIND:
+                unpatched = _two_ranks(quiet_train_trl, family, "sft", None)
+                patched = _two_ranks(quiet_train_trl, family, "sft", patch)
             else:
-                unpatched = _two_ranks(family, None)
-                patched = _two_ranks(family, patch)
+                unpatched = _two_ranks(quiet_train_fused, family, None)
+                patched = _two_ranks(quiet_train_fused, family, patch)
             rows.append(_row(framework, version, family, patch, kind, unpatched, patched))
     finally:
         warnings.filters[:] = saved_filters
@@ -303,15 +343,20 @@ def main(args):
         return 1 if failed else 0
     if not rows:
         from fsdp2_compat import integrations
+        from fsdp2_compat.core import guards
 
-        print("nothing to check: none of %s is installed" % ", ".join(integrations.dists()))
+        found = ["%s %s" % (d, guards.installed_version(d)) for d in integrations.dists() if guards.installed_version(d)]
+        if found:
+            print("nothing to check for these families with %s" % ", ".join(found))
+        else:
+            print("nothing to check: none of %s is installed" % ", ".join(integrations.dists()))
         return 0
     print(format_rows(rows))
     skipped = sum(r["fixed"] is None for r in rows)
     print("%d cases, %d not fixed, %d frameworks not importable, %.1f s" % (
         len(rows) - skipped, len(failed), skipped, time.time() - start))
-    if any(r["kind"] == "fused, 2 ranks" for r in rows):
-        print("note: 'fused, 2 ranks' rows train on two gloo ranks with different data and compare the "
+    if any(r["kind"] in ("fused, 2 ranks", TRL_KIND) for r in rows):
+        print("note: '2 ranks' rows train on two gloo ranks with different data and compare the "
               "lm_head gradient with the data-parallel average; one rank cannot show that bug.")
     shown = [r for r in rows if getattr(args, "verbose", False) or r["fixed"] is False]
     if shown:

@@ -63,6 +63,8 @@ def import_fsdp_utils(framework):
     from fsdp2_compat import integrations
 
     name = integrations.get(framework).wrap_module
+    if name is None:
+        raise ValueError("%s wraps no model itself (no apply_fsdp2); see fsdp2_compat.integrations" % framework)
     if framework == "skyrl":
         ensure_skyrl_backends_package()
     return importlib.import_module(name)

@@ -110,8 +110,8 @@ def _compare_grads(model, reference, result):
     """Fold one step's gradients into ``result``'s worst errors, by parameter name.
 
     Always ``grad_err`` / ``worst_grad``; also each of ``grads_checked``,
-    ``lm_head_grad_err`` and ``grad_rel_to_max`` / ``worst_rel_to_max`` that
-    ``result`` has.  ``grad_rel_to_max`` (for low-precision runs) skips
+    ``lm_head_grad_err``, ``lm_head_rel_to_max`` and ``grad_rel_to_max`` /
+    ``worst_rel_to_max`` that ``result`` has.  ``grad_rel_to_max`` (for low-precision runs) skips
     gradients below 1e-3 of the largest, whose relative error is noise.
     """
     if "grad_rel_to_max" in result:
@@ -123,6 +123,8 @@ def _compare_grads(model, reference, result):
             result["grads_checked"] += int(q.grad is not None)
         if name == "lm_head.weight" and "lm_head_grad_err" in result:
             result["lm_head_grad_err"] = max(result["lm_head_grad_err"], err)
+            if "lm_head_rel_to_max" in result and q.grad is not None:
+                result["lm_head_rel_to_max"] = max(result["lm_head_rel_to_max"], _rel_to_max(grad, q.grad))
         if err > result["grad_err"]:
             result["grad_err"], result["worst_grad"] = err, name
         if "grad_rel_to_max" in result and q.grad is not None and float(q.grad.abs().max()) > 1e-3 * ref_scale:

@@ -4,7 +4,7 @@ They run the *patched upstream source* (a tree first on ``PYTHONPATH``, no
 runtime patch) or the installed release with the runtime patches, and report
 the same facts for both: the FSDP2 units ``apply_fsdp2`` creates
 (``wrap_units``) and the fused-forward losses and gradients against an
-unsharded reference (``fused_lm_head``).  ``jobs_main`` runs a JSON list of
+unsharded reference (``fused_lm_head``; TRL's loss paths: ``trl_case``).  ``jobs_main`` runs a JSON list of
 jobs in a fresh interpreter and prints the results after ``RESULT_MARK``.
 """
 
@@ -216,6 +216,28 @@ def fused_lm_head(rank, world, model_modules, families=(), tree=None, patches=No
     result["mode"] = _check_mode(tree, patches, modules)
     result["results"] = run_all(model_modules, families)
     return result
+
+
+TRL_MODULES = ("trl.trainer.utils", "trl.trainer.distillation_trainer",
+               "trl.experimental.async_distillation.async_distillation_trainer")
+
+
+def trl_case(rank, world, family, path, tree=None, patches=None):
+    """One TRL loss path (``trl_scenarios.train_trl``; ``path="async"``: ``trl_jobs.async_distill_step``) on
+    accelerate's FSDP2 preparation against the data-parallel reference; ``tree`` / ``patches`` as in
+    ``wrap_units``.  Returns ``{"result": ..., "mode": ...}``."""
+    import importlib
+
+    from fsdp2_compat.tooling.trl_scenarios import train_trl
+
+    if path == "async":
+        from support.trl_jobs import async_distill_step
+
+        result = async_distill_step(rank, world, family, patches)
+    else:
+        result = train_trl(rank, world, family, path, patches)
+    modules = [importlib.import_module(m) for m in TRL_MODULES]
+    return {"result": result, "mode": _check_mode(tree, patches, modules)}
 
 
 def run_jobs(jobs):
