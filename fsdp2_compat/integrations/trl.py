@@ -57,7 +57,8 @@ the reason.  Models TRL fused while the patch was on keep the gathering
 wrapper after a revert (it is correct on any release).  TRL 1.1.0-1.14.2 read
 the head through other functions (``_patch_chunked_ce_lm_head``,
 ``patch_chunked_lm_head``, in 1.14.x also GRPO/DPO/KTO's chunked log-probs):
-declared below as not covered, so ``status`` says so.
+recorded below as ``unsupported``: a requested patch is refused there with a
+warning that says so, never silently "not needed".
 
 Upstream: no TRL or accelerate issue yet.  Delete when TRL reads the head
 through FSDP (e.g. ``lm_head.unshard()`` before the read) in every release you
@@ -102,10 +103,8 @@ FUSED_LM_HEAD = Target(
     seam="fsdp2_compat.integrations.trl:fused_lm_head_seam",
     what=_WHAT % "fused LM head: SFT, GRPO, RLOO, DPO, KTO",
     diff="utils-lm-head",
-    declared={
-        "<1.1.0": "no add_fused_lm_head and no chunked lm_head reader in trl.trainer.utils",
-        ">=1.1.0,<1.15.0": _OLDER_READERS,
-    },
+    declared={"<1.1.0": "no add_fused_lm_head and no chunked lm_head reader in trl.trainer.utils"},
+    unsupported={">=1.1.0,<1.15.0": _OLDER_READERS},
 )
 
 DISTILLATION = Target(
