@@ -188,9 +188,10 @@ def test_patch_rebinds_callers_keeps_a_bound_method_and_reverts(python):
     assert report["reverted"]
 
 
-def test_older_trl_releases_are_declared_not_covered():
-    """TRL 1.1.0-1.14.2 read lm_head through other functions: status says they are not covered."""
-    reason = policy.declared_reason(trl_integration.FUSED_LM_HEAD, "1.14.2")
+def test_older_trl_releases_are_recorded_as_not_covered():
+    """TRL 1.1.0-1.14.2 read lm_head through other functions: a requested patch is refused there, loudly."""
+    reason = policy.unsupported_reason(trl_integration.FUSED_LM_HEAD, "1.14.2")
     assert "_patch_chunked_ce_lm_head" in reason and "not covered by fsdp2-compat yet" in reason
-    assert policy.declared_reason(trl_integration.FUSED_LM_HEAD, "1.16.0") is None
+    assert policy.declared_reason(trl_integration.FUSED_LM_HEAD, "1.14.2") is None
+    assert policy.unsupported_reason(trl_integration.FUSED_LM_HEAD, "1.16.0") is None
     assert policy.declared_reason(trl_integration.DISTILLATION, "1.9.2") is not None
