@@ -10,9 +10,10 @@ the tooling and the tests read.
 Adding a framework is one module here plus its targets in the registry.
 """
 
-from . import skyrl, verl
+from . import areal, llamafactory, skyrl, trl, verl
 
-INTEGRATIONS = (verl.INTEGRATION, skyrl.SKYRL_INTEGRATION, skyrl.SKYRL_TRAIN_INTEGRATION)
+INTEGRATIONS = (verl.INTEGRATION, skyrl.SKYRL_INTEGRATION, skyrl.SKYRL_TRAIN_INTEGRATION, areal.INTEGRATION,
+                llamafactory.INTEGRATION, trl.INTEGRATION)
 
 _BY_DIST = {i.dist: i for i in INTEGRATIONS}
 
@@ -27,3 +28,8 @@ def get(dist):
 
 def dists():
     return tuple(_BY_DIST)
+
+
+def wrapping():
+    """The integrations that wrap models themselves (an ``apply_fsdp2`` in ``wrap_module``)."""
+    return tuple(i for i in INTEGRATIONS if i.wrap_module is not None)

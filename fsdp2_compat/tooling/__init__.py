@@ -5,6 +5,7 @@
 - ``tiny/``       download-free tiny models of every family, and their batches
 - ``ranks``       N CPU gloo ranks in forkserver processes
 - ``scenarios``   training on real FSDP2 against an unsharded data-parallel reference
+- ``trl_scenarios``  TRL's loss paths on accelerate's FSDP2 preparation, the same way
 - ``verl_batches``  inputs shaped as verl feeds them
 - ``subset``      request an exact subset of the catalogue's targets (proofs that isolate one bug)
 - ``engines/``    the frameworks' own training engines on CPU ranks (verl's FSDP engine, SkyRL's FSDPStrategy)
