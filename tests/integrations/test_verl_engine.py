@@ -65,6 +65,9 @@ NOT_FIXED = {("glm4v_moe", "plain"): SIZE_MISMATCH} if "process_position_ids" in
 FUSED_FORWARD = {"glm4v": "glm4v", "glm4v_moe": "dense_common", "qwen3_vl": "qwen3_vl", "qwen2_5_vl": "qwen2_vl",
                  "qwen2": "dense_common"}
 SCENARIOS = [(f, m) for f in FAMILIES for m in ("plain", "fused")]
+# Patched runs: every scenario but the plain controls, where no target of the family's patch is on the
+# path (the qwen patches and textlm fix fused forwards only): that run is the unpatched one, which matches.
+PATCHED = [s for s in SCENARIOS if s in UPSTREAM_FAILURE or s[1] == "fused" or s[0].startswith("glm")]
 
 
 def _scenario(family, mode):
@@ -124,7 +127,7 @@ def test_unpatched_engine_fails_exactly_where_upstream_has_the_bug(model_dirs, f
         assert r["error"] is not None and r["error"].startswith(expected), r["error"]
 
 
-@pytest.mark.parametrize("family,mode", [_scenario(*s) for s in SCENARIOS])
+@pytest.mark.parametrize("family,mode", [_scenario(*s) for s in PATCHED])
 def test_patched_engine_matches_the_dp_average(model_dirs, family, mode):
     patch = registry.for_model_type(family).name
     results = _run(model_dirs, family, mode, patch)
