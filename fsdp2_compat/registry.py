@@ -13,11 +13,16 @@ derived from it (``for_model_type``, ``selection_model_types``).
 Rules that need the whole catalogue live here too (``siblings``).
 """
 
-from .integrations import skyrl, verl
+from .integrations import skyrl, torch_fsdp, verl
 from .core.records import Patch
 
 # The corrected FSDP2 wrap selection, in every framework release that has the bug.
 WRAP_SELECTION = (verl.WRAP_SELECTION_INLINE, verl.WRAP_SELECTION, skyrl.SKYRL, skyrl.SKYRL_TRAIN)
+
+# torch FSDP2's gradient accumulation when a micro-batch leaves a unit unused
+# (a text-only micro-batch of a VLM; an lm_head read with full_tensor()):
+# carried by every multimodal patch.
+GRAD_ACCUMULATION = torch_fsdp.GRAD_ACCUMULATION
 
 _SELECTION_REFS = ("SkyRL issue #2087", "SkyRL PR #2088")
 _SELECTION_DELETE = (
@@ -31,47 +36,58 @@ _LM_HEAD_DELETE = (
     "gradient (not plain full_tensor()) in every release you run"
 )
 
+_ACCUM_REFS = ("pytorch issue #196996", "pytorch PR #194058", "verl PR #7475", "verl issue #7520")
+# Appended to the summary of every patch that carries GRAD_ACCUMULATION.
+_ACCUM_SYMPTOM = ("; torch FSDP2 with deferred gradient sync and a micro-batch that skips a unit (text-only): "
+                  "`AttributeError: 'FSDPParam' object has no attribute '_unsharded_param'`")
+_ACCUM_DELETE = "when every torch you run is >= 2.15.0 (FSDP2 accumulation rewritten around grad_dtype)"
+
 
 def _selection_patch(name, summary, model_types):
-    """A family whose only problem is the wrap selection."""
-    return Patch(name, summary, model_types, WRAP_SELECTION, _SELECTION_REFS, _SELECTION_DELETE)
+    """A multimodal family whose only framework problem is the wrap selection."""
+    return Patch(name, summary + _ACCUM_SYMPTOM, model_types, WRAP_SELECTION + GRAD_ACCUMULATION,
+                 _SELECTION_REFS + _ACCUM_REFS, _SELECTION_DELETE + "; and " + _ACCUM_DELETE)
 
 
 PATCHES = (
     Patch(
         name="glm4v",
         summary="`aten.grid_sampler_2d.default got mixed torch.Tensor and DTensor` at the first forward (the "
-        "vision `position_embedding` is read raw); with verl's `use_fused_kernels`, also its sharded `lm_head.weight` read",
+        "vision `position_embedding` is read raw); with verl's `use_fused_kernels`, also its sharded `lm_head.weight` read"
+        + _ACCUM_SYMPTOM,
         model_types={"glm4v": "GLM-4.1V", "glm4v_moe": "GLM-4.5V", "glm46v": "GLM-4.6V"},
         # verl serves GLM-4.5V / GLM-4.6V (glm4v_moe) through dense_common's fused forward.
-        targets=WRAP_SELECTION + verl.GLM4V_FUSED + verl.DENSE_FUSED,
-        references=_SELECTION_REFS + _LM_HEAD_REFS,
-        delete_when=_SELECTION_DELETE + "; and " + _LM_HEAD_DELETE,
+        targets=WRAP_SELECTION + verl.GLM4V_FUSED + verl.DENSE_FUSED + GRAD_ACCUMULATION,
+        references=_SELECTION_REFS + _LM_HEAD_REFS + _ACCUM_REFS,
+        delete_when=_SELECTION_DELETE + "; and " + _LM_HEAD_DELETE + "; and " + _ACCUM_DELETE,
     ),
     Patch(
         name="qwen3vl",
         summary="verl fused kernels: `aten.mm.default` mixed Tensor/DTensor (0.7.1-0.8.0); silently **unaveraged "
-        "`lm_head` gradient** from plain `full_tensor()` (0.9.x), and with a bf16 policy a dtype-mismatch crash",
+        "`lm_head` gradient** from plain `full_tensor()` (0.9.x), and with a bf16 policy a dtype-mismatch crash"
+        + _ACCUM_SYMPTOM,
         model_types={"qwen3_vl": "Qwen3-VL", "qwen3_vl_moe": "Qwen3-VL-MoE"},
-        targets=verl.QWEN3_VL_FUSED,
-        references=_LM_HEAD_REFS,
-        delete_when=_LM_HEAD_DELETE,
+        targets=verl.QWEN3_VL_FUSED + GRAD_ACCUMULATION,
+        references=_LM_HEAD_REFS + _ACCUM_REFS,
+        delete_when=_LM_HEAD_DELETE + "; and " + _ACCUM_DELETE,
     ),
     Patch(
         name="qwen2vl",
-        summary="verl fused kernels: `aten.mm.default` mixed Tensor/DTensor (the sharded `lm_head.weight` is read raw)",
+        summary="verl fused kernels: `aten.mm.default` mixed Tensor/DTensor (the sharded `lm_head.weight` is read raw)"
+        + _ACCUM_SYMPTOM,
         model_types={"qwen2_vl": "Qwen2-VL", "qwen2_5_vl": "Qwen2.5-VL"},
-        targets=verl.QWEN2_VL_FUSED,
-        references=_LM_HEAD_REFS,
-        delete_when=_LM_HEAD_DELETE,
+        targets=verl.QWEN2_VL_FUSED + GRAD_ACCUMULATION,
+        references=_LM_HEAD_REFS + _ACCUM_REFS,
+        delete_when=_LM_HEAD_DELETE + "; and " + _ACCUM_DELETE,
     ),
     Patch(
         name="qwen35",
-        summary="verl fused kernels: unaveraged `lm_head` gradient (plain `full_tensor()`)",
+        summary="verl fused kernels: unaveraged `lm_head` gradient (plain `full_tensor()`)"
+        + _ACCUM_SYMPTOM,
         model_types={"qwen3_5": "Qwen3.5", "qwen3_5_moe": "Qwen3.5-MoE"},
-        targets=verl.QWEN3_5_FUSED,
-        references=_LM_HEAD_REFS,
-        delete_when=_LM_HEAD_DELETE,
+        targets=verl.QWEN3_5_FUSED + GRAD_ACCUMULATION,
+        references=_LM_HEAD_REFS + _ACCUM_REFS,
+        delete_when=_LM_HEAD_DELETE + "; and " + _ACCUM_DELETE,
     ),
     Patch(
         name="textlm",

@@ -101,11 +101,12 @@ class Patch:
 
 
 class Integration:
-    """One upstream framework distribution, as the tooling and the tests need to find it.
+    """One upstream distribution (a framework, or torch), as the tooling and the tests need to find it.
 
     dist         distribution name as pip knows it (``skyrl-train``)
     package      its top-level import package (``skyrl_train``), for reading wheels
-    wrap_module  the module whose ``apply_fsdp2`` wraps a model for FSDP2
+    wrap_module  the module whose ``apply_fsdp2`` wraps a model for FSDP2 (``None``
+                 for torch: FSDP2 itself, patched but wrapping nothing)
     callers      modules that import ``apply_fsdp2`` by name (aliases the engine rebinds)
     """
 

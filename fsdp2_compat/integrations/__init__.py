@@ -8,11 +8,13 @@ patches users name; ``INTEGRATIONS`` below is the one framework -> module map
 the tooling and the tests read.
 
 Adding a framework is one module here plus its targets in the registry.
+torch itself is an integration too (``torch_fsdp``: fixes inside FSDP2), but
+not a framework: it has no ``wrap_module``; ``frameworks()`` lists the others.
 """
 
-from . import skyrl, verl
+from . import skyrl, torch_fsdp, verl
 
-INTEGRATIONS = (verl.INTEGRATION, skyrl.SKYRL_INTEGRATION, skyrl.SKYRL_TRAIN_INTEGRATION)
+INTEGRATIONS = (verl.INTEGRATION, skyrl.SKYRL_INTEGRATION, skyrl.SKYRL_TRAIN_INTEGRATION, torch_fsdp.INTEGRATION)
 
 _BY_DIST = {i.dist: i for i in INTEGRATIONS}
 
@@ -27,3 +29,8 @@ def get(dist):
 
 def dists():
     return tuple(_BY_DIST)
+
+
+def frameworks():
+    """The integrations that wrap models for FSDP2 (an ``apply_fsdp2`` in ``wrap_module``): not torch."""
+    return tuple(i for i in INTEGRATIONS if i.wrap_module)

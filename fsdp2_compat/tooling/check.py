@@ -166,7 +166,7 @@ def run_checks(families=None, frameworks=None, progress=None):
             "gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=datetime.timedelta(seconds=60)
         )
     cases, rows = [], []
-    for integration in integrations.INTEGRATIONS:
+    for integration in integrations.frameworks():
         framework = integration.dist
         if frameworks is not None and framework not in frameworks:
             continue
@@ -273,7 +273,7 @@ def main(args):
     if not rows:
         from fsdp2_compat import integrations
 
-        print("nothing to check: none of %s is installed" % ", ".join(integrations.dists()))
+        print("nothing to check: none of %s is installed" % ", ".join(i.dist for i in integrations.frameworks()))
         return 0
     print(format_rows(rows))
     skipped = sum(r["fixed"] is None for r in rows)

@@ -40,8 +40,10 @@ VERL_FORWARD = {
 FAMILIES = {f: (registry.for_model_type(f).name, module) for f, module in VERL_FORWARD.items()}
 # Under upstream's wrap selection the GLM family crashes in its vision tower
 # (aten.grid_sampler_2d) before lm_head is read, so their "unpatched" fused runs
-# fix the selection alone (a patch whose only targets are the wrap selection).
-SELECTION_ONLY = next(p.name for p in registry.PATCHES if p.targets == registry.WRAP_SELECTION)
+# fix the selection alone (a patch whose only targets are the wrap selection, and
+# torch's accumulation fix, which changes nothing without deferred sync).
+SELECTION_ONLY = next(p.name for p in registry.PATCHES
+                      if p.targets == registry.WRAP_SELECTION + registry.GRAD_ACCUMULATION)
 UNPATCHED = {f: SELECTION_ONLY if f.startswith("glm") else None for f in FAMILIES}
 
 

@@ -26,7 +26,7 @@ from support.rank_jobs import wrap_plans  # noqa: E402
 FRAMEWORKS = [
     pytest.param(i.dist, marks=pytest.mark.skipif(guards.installed_version(i.dist) is None,
                                                   reason="%s not in this pinned set" % i.dist))
-    for i in integrations.INTEGRATIONS
+    for i in integrations.frameworks()
 ]
 
 # How upstream fails on 2 ranks without the patch, per family (what was

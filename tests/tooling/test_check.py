@@ -7,7 +7,7 @@ import pytest
 from fsdp2_compat import integrations
 from fsdp2_compat.core import guards
 
-FRAMEWORKS = [d for d in integrations.dists() if guards.installed_version(d)]
+FRAMEWORKS = [i.dist for i in integrations.frameworks() if guards.installed_version(i.dist)]
 pytestmark = pytest.mark.skipif(not FRAMEWORKS, reason="no framework installed in this pinned set")
 
 
