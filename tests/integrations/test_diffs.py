@@ -31,8 +31,18 @@ from support import oracle as oracle_jobs
 REPO = diffs.REPO
 
 # The upstream releases the pinned test sets (.ci/sets) install.
-PINNED = {"verl": ("0.7.0", "0.8.0", "0.9.1"), "skyrl": ("0.1.0", "0.3.0"), "skyrl-train": ("0.3.1",)}
+PINNED = {
+    "verl": ("0.7.0", "0.8.0", "0.9.1"),
+    "skyrl": ("0.1.0", "0.3.0"),
+    "skyrl-train": ("0.3.1",),
+    "torch": ("2.13.0",),  # its diffs are checked against the installed files (no download of torch)
+}
 RELEASES = [(d, v) for d, vs in PINNED.items() for v in vs]
+# The frameworks (an apply_fsdp2): the patched-source oracle below runs those.  torch's
+# diffs are checked to apply exactly; its patched source is not run (that would copy
+# the installed torch); tests/integrations/test_grad_accumulation.py proves the runtime
+# patch on real FSDP2 instead.
+FRAMEWORKS = [d for d in PINNED if d != "torch"]
 TOL = 1e-5
 
 
@@ -56,7 +66,9 @@ ALL_DIFFS = sorted((d, v, path) for d, v in RELEASES for path in expected_diffs(
 
 
 def installed(dist):
-    return guards.installed_version(dist)
+    """The installed release of ``dist``, without a local build label (``2.13.0+cpu`` is ``2.13.0``)."""
+    version = guards.installed_version(dist)
+    return version.split("+", 1)[0] if version else version
 
 
 # ---------------------------------------------------------------------------
@@ -122,7 +134,7 @@ def test_pinned_sets_are_covered():
     for name in os.listdir(sets):
         with open(os.path.join(sets, name), encoding="utf-8") as f:
             for line in f:
-                m = re.match(r"^\s*(verl|skyrl|skyrl-train)==([\w.]+)\s*$", line)
+                m = re.match(r"^\s*(verl|skyrl|skyrl-train|torch)==([\w.]+)(\+\w+)?\s*(#.*)?$", line)
                 if m:
                     pins.add((m.group(1), m.group(2)))
     assert pins <= set(RELEASES), "pinned in .ci/sets but not in PINNED: %s" % sorted(pins - set(RELEASES))
@@ -210,7 +222,7 @@ def _installed_pinned(dist):
     return version is not None and version in PINNED[dist]
 
 
-ORACLE_DISTS = [d for d in PINNED if _installed_pinned(d)]
+ORACLE_DISTS = [d for d in FRAMEWORKS if _installed_pinned(d)]
 VERL_MODULES = ["qwen3_vl", "glm4v", "qwen2_vl", "dense_common", "qwen3_5"]
 REAL_FAMILIES = ["qwen3_vl", "qwen2", "glm4v"]  # through verl's own apply_monkey_patch (scenarios.train_fused)
 
@@ -292,7 +304,7 @@ def _results(oracle, job):
 @pytest.mark.parametrize(
     "framework",
     [pytest.param(d, marks=pytest.mark.skipif(d not in ORACLE_DISTS, reason="%s: no pinned release installed here" % d))
-     for d in PINNED],
+     for d in FRAMEWORKS],
 )
 def test_patched_source_wraps_the_same_units_as_the_runtime_patch(oracle, framework):
     [source], [runtime] = _results(oracle, "wrap:" + framework)
