@@ -89,6 +89,37 @@ def tiny_qwen3_5(seed=0):
     return model.float().train()
 
 
+class _HeadOutput:
+    def __init__(self, loss):
+        self.loss = loss
+
+
+CHUNK = 7  # rows of hidden states per lm_head read
+
+
+def chunked_head_forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
+    """A causal-LM forward whose loss reads ``lm_head.weight`` once per chunk of rows (a chunked
+    cross-entropy) through ``fsdp2_compat.fixes.gather``: one weight, several uses in one graph."""
+    import torch.nn.functional as F
+
+    from fsdp2_compat.fixes import gather
+
+    kwargs.pop("return_dict", None)
+    hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)[0]
+    targets = (labels if labels is not None else input_ids)[:, 1:].reshape(-1)
+    hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])
+    total, count = 0.0, 0
+    with gather.gathered(self.lm_head):
+        for start in range(0, hidden.shape[0], CHUNK):
+            weight = gather.gather_param(self.lm_head)
+            logits = (hidden[start:start + CHUNK].to(weight.dtype) @ weight.t()).float()
+            t = targets[start:start + CHUNK]
+            keep = t != -100
+            total = total + F.cross_entropy(logits, t.clamp_min(0), reduction="none")[keep].sum()
+            count += int(keep.sum())
+    return _HeadOutput(total / count)
+
+
 def never_gathered_units(model):
     """FSDP units (module names) with a parameter that was never all-gathered."""
     from torch.distributed.fsdp import FSDPModule
@@ -148,25 +179,41 @@ def _micro_batch(family, reference, seed, kind, fused):
     return batch
 
 
-def _one_case(rank, world, framework, family, fused, patches, policy, sync, steps):
-    """One training run; returns the result dict of ``train_against_reference`` plus the evidence."""
+def _one_case(rank, world, framework, family, fused, patches, policy, sync, steps, chunked=False):
+    """One training run; returns the result dict of ``train_against_reference`` plus the evidence.
+
+    ``chunked``: the model class's forward is ``chunked_head_forward`` for this run.
+    """
     import copy
 
     from torch.distributed.device_mesh import init_device_mesh
 
     import fsdp2_compat
+    from fsdp2_compat.fixes import gather
     from fsdp2_compat.tooling import scenarios
 
     if patches:
         fsdp2_compat.apply(patches)
     fsdp_utils = scenarios.import_fsdp_utils(framework)
     model = _build(family, fused)
+    if chunked:  # before sharding, as verl installs its forwards; restored after the run
+        model_class = type(model)
+        saved_forward = model_class.__dict__["forward"]
+        model_class.forward = chunked_head_forward
     reference = copy.deepcopy(model)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
     fsdp_utils.apply_fsdp2(model, {"mesh": mesh, "mp_policy": _policy(policy)}, {})
     result = {"wrapped": scenarios.wrapped_module_names(model), "error": None, "losses": [], "loss_err": 0.0,
               "grad_err": 0.0, "worst_grad": None, "param_err": 0.0, "grads_checked": 0, "lm_head_grad_err": 0.0,
-              "never_gathered_after_first": None, "grads": []}
+              "never_gathered_after_first": None, "grads": [], "lm_head_sharded_after_backward": []}
+    releases_before = gather.STATS["early_releases"]
+    lm_head = getattr(model, "lm_head", None)
+    lm_group = gather._owning(lm_head, lm_head.weight)[0] if lm_head is not None and hasattr(
+        lm_head, "_get_fsdp_state") else None
+
+    def after_backward():
+        if lm_group is not None:
+            result["lm_head_sharded_after_backward"].append(lm_group.is_sharded)
     if policy == "bf16":
         result.update(grad_rel_to_max=0.0, worst_rel_to_max=None)
 
@@ -187,6 +234,8 @@ def _one_case(rank, world, framework, family, fused, patches, policy, sync, step
             loss = forward_loss(module, batch) / n
             if i < n - 1:
                 (loss if sharded else loss / world).backward()
+                if sharded:
+                    after_backward()
                 if sharded and result["never_gathered_after_first"] is None:
                     result["never_gathered_after_first"] = never_gathered_units(model)
         return loss, None
@@ -197,6 +246,7 @@ def _one_case(rank, world, framework, family, fused, patches, policy, sync, step
                  for mb, kind in enumerate(kinds)] for r in range(world)]
 
     def snapshot(_out, _ref_out):
+        after_backward()  # the step's last micro-batch (train_against_reference backpropagated it)
         result["grads"].append({n: full_value(p.grad).detach().float().clone()
                                 for n, p in model.named_parameters() if p.grad is not None})
 
@@ -205,10 +255,13 @@ def _one_case(rank, world, framework, family, fused, patches, policy, sync, step
                                 compare=snapshot)
     finally:
         model.set_requires_gradient_sync(True)
+        if chunked:
+            model_class.forward = saved_forward
+    result["early_releases"] = gather.STATS["early_releases"] - releases_before
     return result
 
 
-def accumulation_cases(rank, world, framework, family, cases, pairs=(), fused=False):
+def accumulation_cases(rank, world, framework, family, cases, pairs=(), fused=False, chunked=False):
     """Run ``cases`` ``[(name, patches, policy, sync, steps)]`` in order; ``{name: result}``.
 
     ``patches``: a list of catalogue names (the test-only ones included) or
@@ -226,7 +279,7 @@ def accumulation_cases(rank, world, framework, family, cases, pairs=(), fused=Fa
     for name, patches, policy, sync, steps in cases:
         try:
             out[name] = _one_case(rank, world, framework, family, fused, patches, policy, sync,
-                                  STEPS if steps == "mixed" else TEXT_STEPS)
+                                  STEPS if steps == "mixed" else TEXT_STEPS, chunked)
         except Exception as exc:  # a harness failure, not a training failure: report, go on
             out[name] = {"error": "harness: %s: %s" % (type(exc).__name__, first_line(exc)), "grads": []}
         finally:
