@@ -296,7 +296,12 @@ def test_status_shows_qwen3vl_applied_on_the_installed_verl(python):
         """
     )
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert {r["attr"]: r["outcome"] for r in rows} == {
+    assert {r["attr"]: r["outcome"] for r in rows if r["dist"] == "verl"} == {
         "forward_with_torch_backend": engine.APPLIED,
         "forward_with_triton_backend": engine.APPLIED,
+    }
+    # and torch FSDP2's gradient-accumulation fix, which every multimodal patch carries
+    assert {r["attr"]: r["outcome"] for r in rows if r["dist"] == "torch"} == {
+        "FSDPParam.to_accumulated_grad_if_needed": engine.APPLIED,
+        "FSDPParamGroup.post_backward": engine.APPLIED,
     }
