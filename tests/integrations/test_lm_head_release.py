@@ -114,4 +114,5 @@ def test_a_chunked_head_is_released_once_per_backward_and_trains_the_dp_average(
         else:
             assert r["lm_head_grad_err"] < 1e-2 and r["grad_err"] < 1e-2, (rank, r["worst_grad"], r["grad_err"])
             assert r["grad_rel_to_max"] < 6e-2, (rank, r["worst_rel_to_max"], r["grad_rel_to_max"])
-    assert results[0][policy]["losses"] != results[1][policy]["losses"]
+    if policy == "fp32":  # (bf16 losses may round to the same value on both ranks)
+        assert results[0][policy]["losses"] != results[1][policy]["losses"], "same data on both ranks"
