@@ -91,6 +91,8 @@ def classification(t):
         lines.append("fixed upstream: %s" % t.fixed_in)
     for spec, reason in t.declared.items():
         lines.append("declared %s: %s" % (spec, reason))
+    for spec, reason in t.unsupported.items():
+        lines.append("not covered %s: %s" % (spec, reason))
     return lines
 
 

@@ -13,18 +13,20 @@ derived from it (``for_model_type``, ``selection_model_types``).
 Rules that need the whole catalogue live here too (``siblings``).
 """
 
-from .integrations import skyrl, torch_fsdp, verl
+from .integrations import areal, llamafactory, skyrl, torch_fsdp, trl, verl
 from .core.records import Patch
 
-# The corrected FSDP2 wrap selection, in every framework release that has the bug.
-WRAP_SELECTION = (verl.WRAP_SELECTION_INLINE, verl.WRAP_SELECTION, skyrl.SKYRL, skyrl.SKYRL_TRAIN)
+# The corrected FSDP2 wrap selection, in every framework release that has the bug
+# (LLaMA-Factory: with its layer-class lookup, which ignores transformers 5.x's set).
+WRAP_SELECTION = (verl.WRAP_SELECTION_INLINE, verl.WRAP_SELECTION, skyrl.SKYRL, skyrl.SKYRL_TRAIN,
+                  areal.WRAP_SELECTION, llamafactory.WRAP_SELECTION, llamafactory.LAYER_CLASS_LOOKUP)
 
 # torch FSDP2's gradient accumulation when a micro-batch leaves a unit unused
 # (a text-only micro-batch of a VLM; an lm_head read with full_tensor()):
 # carried by every multimodal patch.
 GRAD_ACCUMULATION = torch_fsdp.GRAD_ACCUMULATION
 
-_SELECTION_REFS = ("SkyRL issue #2087", "SkyRL PR #2088")
+_SELECTION_REFS = ("SkyRL issue #2087", "SkyRL PR #2088", "LLaMA-Factory PR #10656 (layer-class lookup, main only)")
 _SELECTION_DELETE = (
     "when every framework release you run selects only layer classes and the untied "
     "input embedding for their own FSDP2 groups (SkyRL PR #2088 released; verl has no fix yet)"
@@ -36,73 +38,87 @@ _LM_HEAD_DELETE = (
     "gradient (not plain full_tensor()) in every release you run"
 )
 
+
 _ACCUM_REFS = ("pytorch issue #196996", "pytorch PR #194058", "verl PR #7475", "verl issue #7520")
 # Appended to the summary of every patch that carries GRAD_ACCUMULATION.
 _ACCUM_SYMPTOM = ("; torch FSDP2 with deferred gradient sync and a micro-batch that skips a unit (text-only): "
                   "`AttributeError: 'FSDPParam' object has no attribute '_unsharded_param'`")
 _ACCUM_DELETE = "when every torch you run is >= 2.15.0 (FSDP2 accumulation rewritten around grad_dtype)"
 
+# TRL's reads of lm_head.weight outside its forward (fused LM head, distillation): the
+# unaveraged gradient on every untied VLM whose tail unit accelerate leaves without a norm.
+TRL = trl.TARGETS
+_TRL_SYMPTOM = ("TRL (accelerate >= 1.14 FSDP2, untied): silently **unaveraged `lm_head` gradient** in the fused "
+                "LM head (SFT, GRPO, RLOO, DPO, KTO) and distillation losses")
+_TRL_DELETE = "when TRL reads lm_head.weight through FSDP (not plain full_tensor()) in every release you run"
 
-def _selection_patch(name, summary, model_types):
-    """A multimodal family whose only framework problem is the wrap selection."""
-    return Patch(name, summary + _ACCUM_SYMPTOM, model_types, WRAP_SELECTION + GRAD_ACCUMULATION,
-                 _SELECTION_REFS + _ACCUM_REFS, _SELECTION_DELETE + "; and " + _ACCUM_DELETE)
+
+def _selection_patch(name, summary, model_types, extra=(), delete_when=_SELECTION_DELETE):
+    """A multimodal family whose problem is the wrap selection (plus ``extra`` targets, and torch's
+    accumulation fix)."""
+    return Patch(name, summary + _ACCUM_SYMPTOM, model_types, WRAP_SELECTION + tuple(extra) + GRAD_ACCUMULATION,
+                 _SELECTION_REFS + _ACCUM_REFS, delete_when + "; and " + _ACCUM_DELETE)
 
 
 PATCHES = (
     Patch(
         name="glm4v",
         summary="`aten.grid_sampler_2d.default got mixed torch.Tensor and DTensor` at the first forward (the "
-        "vision `position_embedding` is read raw); with verl's `use_fused_kernels`, also its sharded `lm_head.weight` read"
-        + _ACCUM_SYMPTOM,
+        "vision `position_embedding` is read raw); with verl's `use_fused_kernels`, also its sharded `lm_head.weight` read; "
+        + _TRL_SYMPTOM + _ACCUM_SYMPTOM,
         model_types={"glm4v": "GLM-4.1V", "glm4v_moe": "GLM-4.5V", "glm46v": "GLM-4.6V"},
         # verl serves GLM-4.5V / GLM-4.6V (glm4v_moe) through dense_common's fused forward.
-        targets=WRAP_SELECTION + verl.GLM4V_FUSED + verl.DENSE_FUSED + GRAD_ACCUMULATION,
+        targets=WRAP_SELECTION + verl.GLM4V_FUSED + verl.DENSE_FUSED + TRL + GRAD_ACCUMULATION,
         references=_SELECTION_REFS + _LM_HEAD_REFS + _ACCUM_REFS,
-        delete_when=_SELECTION_DELETE + "; and " + _LM_HEAD_DELETE + "; and " + _ACCUM_DELETE,
+        delete_when=(_SELECTION_DELETE + "; and " + _LM_HEAD_DELETE + "; and " + _TRL_DELETE + "; and "
+                     + _ACCUM_DELETE),
     ),
     Patch(
         name="qwen3vl",
         summary="verl fused kernels: `aten.mm.default` mixed Tensor/DTensor (0.7.1-0.8.0); silently **unaveraged "
-        "`lm_head` gradient** from plain `full_tensor()` (0.9.x), and with a bf16 policy a dtype-mismatch crash"
-        + _ACCUM_SYMPTOM,
+        "`lm_head` gradient** from plain `full_tensor()` (0.9.x), and with a bf16 policy a dtype-mismatch crash; "
+        + _TRL_SYMPTOM + _ACCUM_SYMPTOM,
         model_types={"qwen3_vl": "Qwen3-VL", "qwen3_vl_moe": "Qwen3-VL-MoE"},
-        targets=verl.QWEN3_VL_FUSED + GRAD_ACCUMULATION,
+        targets=verl.QWEN3_VL_FUSED + TRL + GRAD_ACCUMULATION,
         references=_LM_HEAD_REFS + _ACCUM_REFS,
-        delete_when=_LM_HEAD_DELETE + "; and " + _ACCUM_DELETE,
+        delete_when=_LM_HEAD_DELETE + "; and " + _TRL_DELETE + "; and " + _ACCUM_DELETE,
     ),
     Patch(
         name="qwen2vl",
-        summary="verl fused kernels: `aten.mm.default` mixed Tensor/DTensor (the sharded `lm_head.weight` is read raw)"
-        + _ACCUM_SYMPTOM,
+        summary="verl fused kernels: `aten.mm.default` mixed Tensor/DTensor (the sharded `lm_head.weight` is read "
+        "raw); " + _TRL_SYMPTOM + _ACCUM_SYMPTOM,
         model_types={"qwen2_vl": "Qwen2-VL", "qwen2_5_vl": "Qwen2.5-VL"},
-        targets=verl.QWEN2_VL_FUSED + GRAD_ACCUMULATION,
+        targets=verl.QWEN2_VL_FUSED + TRL + GRAD_ACCUMULATION,
         references=_LM_HEAD_REFS + _ACCUM_REFS,
-        delete_when=_LM_HEAD_DELETE + "; and " + _ACCUM_DELETE,
+        delete_when=_LM_HEAD_DELETE + "; and " + _TRL_DELETE + "; and " + _ACCUM_DELETE,
     ),
     Patch(
         name="qwen35",
-        summary="verl fused kernels: unaveraged `lm_head` gradient (plain `full_tensor()`)"
+        summary="verl fused kernels: unaveraged `lm_head` gradient (plain `full_tensor()`); " + _TRL_SYMPTOM
         + _ACCUM_SYMPTOM,
         model_types={"qwen3_5": "Qwen3.5", "qwen3_5_moe": "Qwen3.5-MoE"},
-        targets=verl.QWEN3_5_FUSED + GRAD_ACCUMULATION,
+        targets=verl.QWEN3_5_FUSED + TRL + GRAD_ACCUMULATION,
         references=_LM_HEAD_REFS + _ACCUM_REFS,
-        delete_when=_LM_HEAD_DELETE + "; and " + _ACCUM_DELETE,
+        delete_when=_LM_HEAD_DELETE + "; and " + _TRL_DELETE + "; and " + _ACCUM_DELETE,
     ),
     Patch(
         name="textlm",
         summary="verl fused kernels: `aten.mm.default` mixed Tensor/DTensor (the sharded `lm_head.weight` is read raw)",
         model_types={"qwen2": "Qwen2 / Qwen2.5", "qwen3": "Qwen3", "llama": "Llama"},
-        note="and any other text-only causal LM verl serves through its dense_common fused forward",
-        targets=verl.DENSE_FUSED,
+        note="and any other text-only causal LM verl serves through its dense_common fused forward; TRL's "
+        "lm_head reads are gathered too (text models are already right under accelerate, whose tail unit holds "
+        "the final norm)",
+        targets=verl.DENSE_FUSED + TRL,
         references=_LM_HEAD_REFS,
-        delete_when=_LM_HEAD_DELETE,
+        delete_when=_LM_HEAD_DELETE + "; and " + _TRL_DELETE,
     ),
     _selection_patch(
         "lfm2vl",
         "wrap-time `RuntimeError: Cannot concatenate overlapping meshes` (transformers 5.x), or a mixed "
-        "Tensor/DTensor read of the SigLIP2 `position_embedding` (untied checkpoints)",
+        "Tensor/DTensor read of the SigLIP2 `position_embedding` (untied checkpoints); " + _TRL_SYMPTOM,
         {"lfm2_vl": "LFM2-VL"},
+        TRL,
+        _SELECTION_DELETE + "; and " + _TRL_DELETE,
     ),
     _selection_patch(
         "qwen2audio",
@@ -122,8 +138,10 @@ PATCHES = (
     ),
     _selection_patch(
         "paddleocrvl",
-        "`aten.add.Tensor got mixed torch.Tensor and DTensor` (vision `position_embedding` read raw)",
+        "`aten.add.Tensor got mixed torch.Tensor and DTensor` (vision `position_embedding` read raw); " + _TRL_SYMPTOM,
         {"paddleocr_vl": "PaddleOCR-VL"},
+        TRL,
+        _SELECTION_DELETE + "; and " + _TRL_DELETE,
     ),
 )
 
@@ -173,18 +191,27 @@ def selection_model_types():
     return {mt: p.name for p in PATCHES if fixes_selection(p) for mt in p.model_types}
 
 
+def seam_kind(target):
+    """What a target fixes, without the layout note: ``"FSDP2 wrap selection (inline loop)"`` -> ``"FSDP2 wrap selection"``."""
+    return target.what.split(" (")[0]
+
+
 def siblings(target, patch_names):
-    """The other targets of ``patch_names`` that patch the same module as ``target``.
+    """The other targets of ``patch_names`` that fix the same thing in the same module as ``target``.
 
     verl's wrap selection moved from an inline loop (``apply_fsdp2``, up to
     0.7.0) to ``_select_fsdp2_wrap_targets`` (0.7.1+): a patch carries one
     target per code layout, and any release's code fits only one of them.
     The other is then "another seam", not a refusal (``core.policy``).
+    Targets of one module that fix different things (LLaMA-Factory's
+    selection and its layer-class lookup, ``seam_kind``) are not layouts of
+    each other: each needs its own code to fit.
     """
     out = []
     for name in sorted(patch_names):
         for other in patch(name).targets:
-            if other is not target and other.dist == target.dist and other.module == target.module and other not in out:
+            if (other is not target and other.dist == target.dist and other.module == target.module
+                    and seam_kind(other) == seam_kind(target) and other not in out):
                 out.append(other)
     return out
 
@@ -201,7 +228,7 @@ def where(p):
 
     spans = {}
     for t in p.targets:
-        what = t.what.split(" (")[0]
+        what = seam_kind(t)
         releases = [Version(v) for label in t.fingerprints for v in label.split("-")]
         lo, hi = spans.get((what, t.dist), (None, None))
         lo = min([x for x in (lo, min(releases)) if x is not None])

@@ -16,7 +16,7 @@ One owner for each name and each policy:
     training on its own.
 - ``FSDP2_COMPAT_STRICT``: ``1`` turns a requested patch that cannot apply
   (unknown code, a failure) into an error; ``proven`` also refuses code
-  outside the proven range (``strict_setting``, ``core.policy.strict_level``).
+  outside the proven range (``strict_setting``, ``strict_level``).
 - ``FSDP2_COMPAT_DISABLE_BOOTSTRAP``: keep the ``.pth`` inert while the
   variable still reaches the other ways in.
 
@@ -93,6 +93,27 @@ def strict_setting(environ=None):
     """``FSDP2_COMPAT_STRICT`` as written (``None`` when unset): ``1`` / ``true`` ... or ``proven``."""
     value = _environ(environ).get(STRICT_ENV)
     return value.strip() if value is not None and value.strip() else None
+
+
+STRICT_OFF, STRICT_ON, STRICT_PROVEN = None, "on", "proven"
+
+
+def strict_level(value):
+    """Normalise ``strict`` (bool, None, ``"1"``, ``"proven"``, ...) to ``STRICT_OFF / _ON / _PROVEN``."""
+    if value in (None, False, ""):
+        return STRICT_OFF
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text == STRICT_PROVEN:
+            return STRICT_PROVEN
+        return STRICT_ON if is_true(text) else STRICT_OFF
+    return STRICT_ON if value else STRICT_OFF
+
+
+def stricter(a, b):
+    """The stricter of two levels (a patch requested twice keeps its strictest request)."""
+    order = (STRICT_OFF, STRICT_ON, STRICT_PROVEN)
+    return a if order.index(a) >= order.index(b) else b
 
 
 def strict_from_env(environ=None):

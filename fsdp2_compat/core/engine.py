@@ -2,7 +2,7 @@
 
 Life of a target (one seam in one upstream module):
 
-    requested --(module imported)--> applied | skipped | failed --(revert)--> reverted
+    requested --(module imported)--> applied | refused | not needed | other seam | failed --(revert)--> reverted
 
 Nothing is decided when a patch is requested: the hook waits for the target
 module, and the outcome is recorded when the import happens (or at once if
@@ -24,7 +24,7 @@ This module is imported by ``fsdp2_compat.auto``: stdlib only at top level.
 import sys
 import _thread
 
-from . import config, hooks, policy
+from . import config, hooks
 
 from .outcomes import (  # noqa: F401  (re-exported: callers say engine.APPLIED)
     APPLIED,
@@ -35,7 +35,9 @@ from .outcomes import (  # noqa: F401  (re-exported: callers say engine.APPLIED)
     NOT_REQUESTED,
     OTHER_SEAM,
     PROBLEMS,
+    REFUSALS,
     REVERTED,
+    UNSUPPORTED,
     VERSION,
     WAITING,
     Outcome,
@@ -71,7 +73,7 @@ class _TargetState:
 
 _lock = _thread.RLock()
 _states = {}  # target key -> _TargetState
-_requested = {}  # patch name -> strict level (policy.STRICT_*)
+_requested = {}  # patch name -> strict level (config.STRICT_*)
 _replacements = {}  # id(replacement) -> target key, for "is this ours?"
 
 
@@ -152,11 +154,11 @@ def apply(names=None, strict=None):
     ``FSDP2_COMPAT_STRICT``.  Returns the tuple of names requested.  Idempotent.
     """
     chosen = resolve_names(names)
-    level = policy.strict_level(config.strict_setting() if strict is None else strict)
+    level = config.strict_level(config.strict_setting() if strict is None else strict)
     registry = _registry()
     with _lock:
         for name in chosen:
-            _requested[name] = policy.stricter(level, _requested.get(name))
+            _requested[name] = config.stricter(level, _requested.get(name))
         pending = []
         for name in chosen:
             for target in registry.patch(name).targets:
@@ -182,7 +184,7 @@ def _make_hook(state):
             state.hook = None
             level = None
             for name in state.patches:
-                level = policy.stricter(_requested.get(name), level)
+                level = config.stricter(_requested.get(name), level)
             outcome = _settle(state, module, level)
             state.outcome = outcome
             patches = sorted(state.patches)
@@ -204,7 +206,9 @@ def _report(outcome, patches=()):
         outcome.kind,
         " - " + outcome.detail if outcome.detail else "",
     )
-    if outcome.kind in (DRIFTED, VERSION) and patches:
+    if outcome.kind in REFUSALS and patches:
+        from . import policy
+
         # Requested and refused: never silent.  One line on stderr, and the
         # WARNING on our logger (which Python prints itself when no handler
         # is configured: then not twice).
@@ -223,7 +227,7 @@ def _report(outcome, patches=()):
 
 def _settle(state, module, strict=None):
     """Decide (``policy.judge``) and, if the code is known, apply one target. Never raises."""
-    from . import guards
+    from . import guards, policy
 
     target = state.target
     found = None

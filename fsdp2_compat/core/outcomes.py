@@ -9,6 +9,7 @@ decides them), status and the CLI (which show them)::
     not needed                         fixed upstream, or declared not to need it
     refused: unknown upstream code     the code matches no recorded fingerprint: never patched blind
     refused: outside the proven range  known code, but FSDP2_COMPAT_STRICT=proven refuses unproven releases
+    refused: release not covered       the catalogue knows this release has the bug in code the patch does not fit
     failed                             the seam raised; nothing was changed
     skipped: not installed             the distribution is absent
     reverted / not requested
@@ -20,6 +21,7 @@ WAITING = "waiting for import"
 NOT_INSTALLED = "skipped: not installed"
 VERSION = "refused: outside the proven range"
 DRIFTED = "refused: unknown upstream code"
+UNSUPPORTED = "refused: release not covered"
 NOT_NEEDED = "not needed"
 OTHER_SEAM = "other seam"
 FAILED = "failed"
@@ -27,7 +29,8 @@ REVERTED = "reverted"
 NOT_REQUESTED = "not requested"
 
 # Outcomes that mean "the user asked for this and did not get it".
-PROBLEMS = (VERSION, DRIFTED, FAILED)
+PROBLEMS = (VERSION, DRIFTED, UNSUPPORTED, FAILED)
+REFUSALS = (VERSION, DRIFTED, UNSUPPORTED)
 
 
 def diff_path(target, version):

@@ -12,8 +12,10 @@ The code decides, not the version number:
    ``fsdp2_compat`` logger plus one line on stderr naming the patch, the
    distribution and version, expected vs found fingerprint, and what to do;
 3. except where the catalogue already knows why: the release carries the fix
-   (``fixed_in``), is declared not to need the target (``declared``), or
-   another target of the same patch fits this release's code (verl moved its
+   (``fixed_in``), is declared not to need the target (``declared``), is
+   known to have the bug in code the target does not fit (``unsupported``:
+   refused, loudly, as unknown code is), or another target of the same
+   patch fits this release's code (verl moved its
    selection from ``apply_fsdp2`` to ``_select_fsdp2_wrap_targets`` in 0.7.1:
    one target per layout, only one fits any release).
 
@@ -25,31 +27,11 @@ Stdlib only at import; ``guards`` imports packaging lazily.
 """
 
 from . import guards
-from .outcomes import APPLIED, DRIFTED, NOT_NEEDED, OTHER_SEAM, VERSION
+from .config import STRICT_PROVEN
+from .outcomes import APPLIED, DRIFTED, NOT_NEEDED, OTHER_SEAM, UNSUPPORTED, VERSION
 
 APPLY = "apply"
 REFUSE = "refuse"
-
-STRICT_OFF, STRICT_ON, STRICT_PROVEN = None, "on", "proven"
-
-
-def strict_level(value):
-    """Normalise ``strict`` (bool, None, ``"1"``, ``"proven"``, ...) to a level."""
-    if value in (None, False, ""):
-        return STRICT_OFF
-    if isinstance(value, str):
-        text = value.strip().lower()
-        if text == STRICT_PROVEN:
-            return STRICT_PROVEN
-        from .config import is_true
-
-        return STRICT_ON if is_true(text) else STRICT_OFF
-    return STRICT_ON if value else STRICT_OFF
-
-
-def stricter(a, b):
-    order = (STRICT_OFF, STRICT_ON, STRICT_PROVEN)
-    return a if order.index(a) >= order.index(b) else b
 
 
 def code_label(target, module, lookup):
@@ -73,7 +55,16 @@ def code_label(target, module, lookup):
 
 def declared_reason(target, version):
     """The catalogue's reason why ``version`` does not need ``target``, or None."""
-    for spec, reason in (getattr(target, "declared", None) or {}).items():
+    return _reason(target.declared, version)
+
+
+def unsupported_reason(target, version):
+    """The catalogue's reason why ``version`` has the bug in code ``target`` does not fit, or None."""
+    return _reason(target.unsupported, version)
+
+
+def _reason(specs, version):
+    for spec, reason in (specs or {}).items():
         if guards.in_range(version, spec):
             return reason
     return None
@@ -105,6 +96,9 @@ def judge(target, module, found, siblings, lookup, strict):
         reason = declared_reason(target, found)
         if reason is not None:
             return Verdict(None, NOT_NEEDED, "%s %s: %s" % (target.dist, found, reason))
+        reason = unsupported_reason(target, found)
+        if reason is not None:
+            return Verdict(REFUSE, UNSUPPORTED, "%s %s: %s" % (target.dist, found, reason))
         for other in siblings:
             other_label, _ = code_label(other, module, lookup)
             if other_label is not None:

@@ -36,16 +36,20 @@ class Target:
     fixed_in      specifier of releases that carry the fix (patch not needed)
     declared      {specifier: reason} for releases known to have nothing to patch
                   here (the module or function does not exist, or upstream's
-                  code there is already right): the release census requires
-                  every published release to be fingerprinted, fixed or declared
+                  code there is already right)
+    unsupported   {specifier: reason} for releases known to have the bug in code
+                  this target does not fit (a requested patch is refused there,
+                  with a warning).  The release census requires every published
+                  release to be fingerprinted, fixed, declared or unsupported
     diff          stem of the equivalent source diff: the file for release X is
                   ``patches/<dist>/<X>/<diff>.diff`` in the repository
     """
 
-    __slots__ = ("dist", "module", "attr", "versions", "fingerprints", "seam", "fixed_in", "declared", "diff", "what")
+    __slots__ = ("dist", "module", "attr", "versions", "fingerprints", "seam", "fixed_in", "declared",
+                 "unsupported", "diff", "what")
 
     def __init__(self, dist, module, attr, versions, fingerprints, seam, what, fixed_in=None, diff=None,
-                 declared=None):
+                 declared=None, unsupported=None):
         self.dist = dist
         self.module = module
         self.attr = attr
@@ -55,6 +59,7 @@ class Target:
         self.what = what
         self.fixed_in = fixed_in
         self.declared = dict(declared or {})
+        self.unsupported = dict(unsupported or {})
         self.diff = diff
 
     @property
@@ -105,9 +110,11 @@ class Integration:
 
     dist         distribution name as pip knows it (``skyrl-train``)
     package      its top-level import package (``skyrl_train``), for reading wheels
-    wrap_module  the module whose ``apply_fsdp2`` wraps a model for FSDP2 (``None``
-                 for torch: FSDP2 itself, patched but wrapping nothing)
-    callers      modules that import ``apply_fsdp2`` by name (aliases the engine rebinds)
+    wrap_module  the module whose ``apply_fsdp2`` wraps a model for FSDP2; None when the
+                 framework leaves the wrapping to another package (TRL: accelerate), and
+                 for torch (FSDP2 itself: patched, wrapping nothing)
+    callers      modules that import a target by name (aliases the engine rebinds):
+                 ``apply_fsdp2``, or TRL's ``add_fused_lm_head``
     """
 
     __slots__ = ("dist", "package", "wrap_module", "callers")

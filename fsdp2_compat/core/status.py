@@ -28,9 +28,13 @@ def status(names=None):
             row["outcome"] = engine.NOT_INSTALLED
         elif outcome.kind == engine.WAITING:
             reason = policy.declared_reason(outcome.target, versions[dist])
+            unsupported = policy.unsupported_reason(outcome.target, versions[dist])
             if reason is not None:  # the catalogue knows this release has nothing to patch here
                 row["outcome"] = NOT_FOR_THIS_RELEASE
                 row["detail"] = "%s %s: %s" % (dist, versions[dist], reason)
+            elif unsupported is not None:  # ... or that it has the bug where the patch does not reach
+                row["outcome"] = engine.UNSUPPORTED
+                row["detail"] = "%s %s: %s" % (dist, versions[dist], unsupported)
         live = row["outcome"] in (engine.APPLIED, engine.WAITING) and row["found"] and guards.in_range(
             row["found"], outcome.target.versions
         )
@@ -51,6 +55,8 @@ LEGEND = {
     engine.DRIFTED: "requested, but the installed code matches no recorded fingerprint: left untouched "
                     "(pin a known release, upgrade fsdp2-compat, or FSDP2_COMPAT_STRICT=1 to fail)",
     engine.VERSION: "known code outside the proven range, refused because FSDP2_COMPAT_STRICT=proven",
+    engine.UNSUPPORTED: "requested, but this release has the bug in code the patch does not cover: untouched, "
+                        "with a warning (the detail says which releases are covered)",
     engine.FAILED: "the patch raised; nothing was changed",
     engine.NOT_INSTALLED: "the distribution is not installed",
 }

@@ -9,12 +9,13 @@ the tooling and the tests read.
 
 Adding a framework is one module here plus its targets in the registry.
 torch itself is an integration too (``torch_fsdp``: fixes inside FSDP2), but
-not a framework: it has no ``wrap_module``; ``frameworks()`` lists the others.
+not a framework: it has no ``wrap_module`` (``wrapping()`` lists those that have one).
 """
 
-from . import skyrl, torch_fsdp, verl
+from . import areal, llamafactory, skyrl, torch_fsdp, trl, verl
 
-INTEGRATIONS = (verl.INTEGRATION, skyrl.SKYRL_INTEGRATION, skyrl.SKYRL_TRAIN_INTEGRATION, torch_fsdp.INTEGRATION)
+INTEGRATIONS = (verl.INTEGRATION, skyrl.SKYRL_INTEGRATION, skyrl.SKYRL_TRAIN_INTEGRATION, areal.INTEGRATION,
+                llamafactory.INTEGRATION, trl.INTEGRATION, torch_fsdp.INTEGRATION)
 
 _BY_DIST = {i.dist: i for i in INTEGRATIONS}
 
@@ -31,6 +32,6 @@ def dists():
     return tuple(_BY_DIST)
 
 
-def frameworks():
-    """The integrations that wrap models for FSDP2 (an ``apply_fsdp2`` in ``wrap_module``): not torch."""
-    return tuple(i for i in INTEGRATIONS if i.wrap_module)
+def wrapping():
+    """The integrations that wrap models themselves (an ``apply_fsdp2`` in ``wrap_module``)."""
+    return tuple(i for i in INTEGRATIONS if i.wrap_module is not None)

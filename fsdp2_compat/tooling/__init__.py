@@ -5,6 +5,7 @@
 - ``tiny/``       download-free tiny models of every family, and their batches
 - ``ranks``       N CPU gloo ranks in forkserver processes
 - ``scenarios``   training on real FSDP2 against an unsharded data-parallel reference
+- ``trl_scenarios``  TRL's loss paths on accelerate's FSDP2 preparation, the same way
 - ``verl_batches`` / ``glm4v_bridge``  inputs shaped as verl feeds them
 
 Nothing here is imported by ``import fsdp2_compat`` or at start-up; torch and

@@ -3,7 +3,8 @@
 For every installed framework release and every model family a patch
 covers (the catalogue's ``model_types``, where the tiny harness has that
 family), build a tiny model from its config (no downloads), wrap it with the
-framework's own ``apply_fsdp2`` on a one-rank CPU gloo group, and run a
+framework's own entry point (``apply_fsdp2``; AReaL's ``parallelize_model``,
+LLaMA-Factory's ``FSDP2Engine.prepare_model``) on a one-rank CPU gloo group, and run a
 training step twice: unpatched, then with the family's patch.  Each row says
 what upstream does (the exact error, or "ok"), what the patched run does,
 whether its loss matches an unsharded reference, and the patch that fixes
@@ -15,6 +16,10 @@ One rank cannot show the gradient-averaging bug (it needs different data on
 two ranks): a fused case whose unpatched run is "ok" while ``lm_head`` has
 an FSDP unit of its own is run again on two gloo ranks (separate processes),
 where "fixed" means the lm_head gradient matches the data-parallel average.
+Where TRL is installed, its SFT loss (``SFTTrainer.compute_loss`` through the
+fused LM head) runs the same way on a model prepared by accelerate's own FSDP2
+preparation, for ``TRL_FAMILIES`` ("TRL SFT, 2 ranks"; see
+``trl_scenarios``).
 
 What upstream prints while a case runs (verl announces its monkey patches)
 is captured per case: shown with ``--verbose`` or when the case is not
@@ -37,11 +42,41 @@ def _short(error):
 
 
 def _captured(fn, *args, **kwargs):
-    """``fn(...)`` with Python-level stdout/stderr captured; returns (result, text)."""
+    """``fn(...)`` with Python-level stdout/stderr captured; returns (result, text).
+
+    Logging handlers that hold the process's stdout / stderr (LLaMA-Factory logs
+    to a ``StreamHandler(sys.stdout)`` it made at import, AReaL to its own) write
+    into the capture too, so ``--json`` output stays JSON; so do handlers made
+    while an earlier capture was on (they hold its buffer).
+    """
     buf = io.StringIO()
-    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+    _buffers.append(buf)
+    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf), _log_streams_to(buf):
         result = fn(*args, **kwargs)
     return result, buf.getvalue()
+
+
+_buffers = []  # every capture buffer of this process (a logging handler may have kept one)
+
+
+@contextlib.contextmanager
+def _log_streams_to(buf):
+    import logging
+
+    streams = {id(s) for s in (sys.__stdout__, sys.__stderr__, sys.stdout, sys.stderr) + tuple(_buffers)
+               if s is not None}
+    moved = []
+    loggers = [logging.getLogger()] + [v for v in logging.Logger.manager.loggerDict.values()
+                                       if isinstance(v, logging.Logger)]
+    for logger in loggers:
+        for handler in logger.handlers:
+            if type(handler) is logging.StreamHandler and id(handler.stream) in streams:
+                moved.append((handler, handler.setStream(buf)))
+    try:
+        yield
+    finally:
+        for handler, stream in reversed(moved):
+            handler.setStream(stream)
 
 
 def _run(fn, *args, **kwargs):
@@ -69,13 +104,22 @@ def quiet_train_fused(rank, world, *args, **kwargs):
     return result
 
 
-def _two_ranks(family, patch):
-    """``train_fused`` on 2 gloo ranks (separate processes) with different data per rank."""
+def quiet_train_trl(rank, world, *args, **kwargs):
+    """``trl_scenarios.train_trl`` in a rank process, its prints captured into ``result["output"]``."""
+    from .trl_scenarios import train_trl
+
+    result, output = _captured(train_trl, rank, world, *args, **kwargs)
+    result["output"] = output
+    return result
+
+
+def _two_ranks(fn, *args):
+    """``fn(rank, 2, *args, steps=1)`` on 2 gloo ranks (separate processes) with different data per rank."""
     from .ranks import run_ranks
     from .scenarios import first_line
 
     try:
-        results = run_ranks(quiet_train_fused, 2, family, patch, kwargs={"steps": 1})
+        results = run_ranks(fn, 2, *args, kwargs={"steps": 1})
     except Exception as exc:  # the scenario itself broke: report, do not die
         return {"error": "%s: %s" % (type(exc).__name__, first_line(exc)), "loss_err": None, "output": ""}
     errors = [r for r in results if r["error"] is not None]
@@ -142,6 +186,26 @@ def fused_cases(families=None):
     return out
 
 
+# TRL's check runs on these families only (each costs two 2-rank runs); the tests cover more.
+TRL_FAMILIES = ("qwen3_vl", "qwen2_5_vl")
+TRL_KIND = "TRL SFT, 2 ranks"
+
+
+def trl_cases(families=None):
+    """``[(family, patch)]`` for TRL: ``TRL_FAMILIES`` whose patch carries a TRL target (and in ``families``)."""
+    from fsdp2_compat import registry
+
+    from . import tiny
+
+    out = []
+    for mt in TRL_FAMILIES:
+        p = registry.for_model_type(mt)
+        if (families is None or mt in families) and p is not None and any(t.dist == "trl" for t in p.targets):
+            if tiny.available(mt) is True:
+                out.append((mt, p.name))
+    return out
+
+
 def run_checks(families=None, frameworks=None, progress=None):
     """Return the result rows; ``progress(message)`` is called before each case."""
     import datetime
@@ -166,15 +230,15 @@ def run_checks(families=None, frameworks=None, progress=None):
             "gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=datetime.timedelta(seconds=60)
         )
     cases, rows = [], []
-    for integration in integrations.frameworks():
+    for integration in integrations.INTEGRATIONS:
         framework = integration.dist
         if frameworks is not None and framework not in frameworks:
             continue
         version = guards.installed_version(framework)
-        if version is None:
+        if version is None or integration.wrap_module is None:  # TRL: accelerate wraps; its own case below
             continue
         try:
-            scenarios.import_fsdp_utils(framework)
+            _captured(scenarios.import_fsdp_utils, framework)  # AReaL announces its platform on import
         except Exception as exc:  # installed but not importable here: say so once
             rows.append({
                 "framework": framework, "version": version, "family": "-", "kind": "selection",
@@ -188,6 +252,10 @@ def run_checks(families=None, frameworks=None, progress=None):
     if verl and guards.in_range(verl, ">=0.6.0") and (frameworks is None or "verl" in frameworks):
         # Last: verl's monkey patch rewrites model classes for the whole process.
         cases += [("verl", verl, family, patch, "fused forward") for family, patch in fused_cases(families)]
+    trl = guards.installed_version("trl")
+    if trl and guards.in_range(trl, ">=1.16.0") and (frameworks is None or "trl" in frameworks):
+        # TRL 1.15.0's fused head needs Triton: it cannot run on CPU.
+        cases += [("trl", trl, family, patch, TRL_KIND) for family, patch in trl_cases(families)]
     saved_filters = warnings.filters[:]
     try:
         warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
@@ -207,9 +275,12 @@ def run_checks(families=None, frameworks=None, progress=None):
                 if unpatched.get("error") is None and "lm_head" in (unpatched.get("wrapped") or ()):
                     # Runs on one rank with lm_head sharded apart: only two ranks can tell.
                     cases.append((framework, version, family, patch, "fused, 2 ranks"))
+            elif kind == TRL_KIND:
+                unpatched = _two_ranks(quiet_train_trl, family, "sft", None)
+                patched = _two_ranks(quiet_train_trl, family, "sft", patch)
             else:
-                unpatched = _two_ranks(family, None)
-                patched = _two_ranks(family, patch)
+                unpatched = _two_ranks(quiet_train_fused, family, None)
+                patched = _two_ranks(quiet_train_fused, family, patch)
             rows.append(_row(framework, version, family, patch, kind, unpatched, patched))
     finally:
         warnings.filters[:] = saved_filters
@@ -272,15 +343,20 @@ def main(args):
         return 1 if failed else 0
     if not rows:
         from fsdp2_compat import integrations
+        from fsdp2_compat.core import guards
 
-        print("nothing to check: none of %s is installed" % ", ".join(i.dist for i in integrations.frameworks()))
+        found = ["%s %s" % (d, guards.installed_version(d)) for d in integrations.dists() if guards.installed_version(d)]
+        if found:
+            print("nothing to check for these families with %s" % ", ".join(found))
+        else:
+            print("nothing to check: none of %s is installed" % ", ".join(integrations.dists()))
         return 0
     print(format_rows(rows))
     skipped = sum(r["fixed"] is None for r in rows)
     print("%d cases, %d not fixed, %d frameworks not importable, %.1f s" % (
         len(rows) - skipped, len(failed), skipped, time.time() - start))
-    if any(r["kind"] == "fused, 2 ranks" for r in rows):
-        print("note: 'fused, 2 ranks' rows train on two gloo ranks with different data and compare the "
+    if any(r["kind"] in ("fused, 2 ranks", TRL_KIND) for r in rows):
+        print("note: '2 ranks' rows train on two gloo ranks with different data and compare the "
               "lm_head gradient with the data-parallel average; one rank cannot show that bug.")
     shown = [r for r in rows if getattr(args, "verbose", False) or r["fixed"] is False]
     if shown:

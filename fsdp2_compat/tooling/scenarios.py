@@ -1,8 +1,9 @@
-"""Training scenarios on real FSDP2, through each framework's own ``apply_fsdp2``.
+"""Training scenarios on real FSDP2, through each framework's own entry point (``frameworks.shard``).
 
 ``train(rank, world, framework, family, patches, ...)`` builds a tiny model,
 keeps an unsharded deep copy as the reference, shards the model with the
-framework's real ``apply_fsdp2`` and runs optimizer steps where every rank
+framework's real ``apply_fsdp2`` (``FSDP2Engine.prepare_model`` for
+LLaMA-Factory, ``parallelize_model`` for AReaL) and runs optimizer steps where every rank
 gets *different* data.  The reference trains on the mean of all ranks'
 losses, i.e. the data-parallel average gradient, so a rank that only sees its
 own gradient (the ``full_tensor()`` trap) cannot match it.
@@ -18,57 +19,9 @@ parameters against the reference.
 """
 
 import contextlib
-import importlib
-import importlib.machinery
-import sys
 import warnings
 
-
-def import_fsdp_utils(framework):
-    """Import the framework's real ``fsdp_utils`` module.
-
-    skyrl 0.2.0+ cannot ``import skyrl.backends`` on Python < 3.12 (its
-    ``__init__`` pulls a pydantic model that needs 3.12's TypedDict), although
-    ``fsdp_utils`` itself does not need that package ``__init__``.  There, and
-    only there, the package is registered without running its ``__init__``;
-    the module under test is still the released file, executed unchanged.
-    """
-    from fsdp2_compat import integrations
-
-    name = integrations.get(framework).wrap_module
-    if framework == "skyrl":
-        ensure_skyrl_backends_package()
-    return importlib.import_module(name)
-
-
-def ensure_skyrl_backends_package():
-    """Make ``skyrl.backends`` importable on Python < 3.12 (see ``import_fsdp_utils``)."""
-    import os
-    import types
-
-    if "skyrl.backends" in sys.modules:
-        return
-    try:
-        importlib.import_module("skyrl.backends")
-        return
-    except Exception as exc:  # pydantic.errors.PydanticUserError
-        if getattr(exc, "code", None) != "typed-dict-version":
-            raise
-    # Drop what the failed import left half-initialised.
-    for mod in [m for m in sys.modules if m == "skyrl.tinker.types" or m.startswith("skyrl.backends")]:
-        del sys.modules[mod]
-    import skyrl
-
-    path = os.path.join(os.path.dirname(skyrl.__file__), "backends")
-    pkg = types.ModuleType("skyrl.backends", "skyrl.backends, __init__ skipped (Python < 3.12)")
-    pkg.__path__ = [path]
-    pkg.__package__ = "skyrl.backends"
-    pkg.__file__ = os.path.join(path, "__init__.py")
-    spec = importlib.machinery.ModuleSpec("skyrl.backends", None, is_package=True)
-    spec.submodule_search_locations = [path]
-    pkg.__spec__ = spec
-    sys.modules["skyrl.backends"] = pkg
-    skyrl.backends = pkg
+from .frameworks import ensure_skyrl_backends_package, import_fsdp_utils  # noqa: F401  (re-exported)
 
 
 def first_line(exc):
@@ -157,8 +110,8 @@ def _compare_grads(model, reference, result):
     """Fold one step's gradients into ``result``'s worst errors, by parameter name.
 
     Always ``grad_err`` / ``worst_grad``; also each of ``grads_checked``,
-    ``lm_head_grad_err`` and ``grad_rel_to_max`` / ``worst_rel_to_max`` that
-    ``result`` has.  ``grad_rel_to_max`` (for low-precision runs) skips
+    ``lm_head_grad_err``, ``lm_head_rel_to_max`` and ``grad_rel_to_max`` /
+    ``worst_rel_to_max`` that ``result`` has.  ``grad_rel_to_max`` (for low-precision runs) skips
     gradients below 1e-3 of the largest, whose relative error is noise.
     """
     if "grad_rel_to_max" in result:
@@ -170,6 +123,8 @@ def _compare_grads(model, reference, result):
             result["grads_checked"] += int(q.grad is not None)
         if name == "lm_head.weight" and "lm_head_grad_err" in result:
             result["lm_head_grad_err"] = max(result["lm_head_grad_err"], err)
+            if "lm_head_rel_to_max" in result and q.grad is not None:
+                result["lm_head_rel_to_max"] = max(result["lm_head_rel_to_max"], _rel_to_max(grad, q.grad))
         if err > result["grad_err"]:
             result["grad_err"], result["worst_grad"] = err, name
         if "grad_rel_to_max" in result and q.grad is not None and float(q.grad.abs().max()) > 1e-3 * ref_scale:
@@ -178,25 +133,28 @@ def _compare_grads(model, reference, result):
                 result["grad_rel_to_max"], result["worst_rel_to_max"] = rel, name
 
 
-def train(rank, world, framework, family, patches, steps=2, tie=False, lr=0.05):
+def train(rank, world, framework, family, patches, steps=2, tie=False, lr=0.05, lora=False):
     """One scenario on this rank; see the module docstring for the result.
 
-    ``tie``: as for ``tiny_models.build`` (False, True or ``"weights-only"``).
+    The model is sharded through the framework's own entry point
+    (``frameworks.shard``: ``apply_fsdp2``, AReaL's ``parallelize_model``,
+    LLaMA-Factory's ``FSDP2Engine.prepare_model``).  ``tie``: as for
+    ``tiny_models.build`` (False, True or ``"weights-only"``); ``lora``: wrap
+    the model in a peft LoRA model first (``with_lora``).
     """
     import copy
 
-    from torch.distributed.device_mesh import init_device_mesh
-
     import fsdp2_compat
-    from fsdp2_compat.tooling import tiny as tiny_models
+    from fsdp2_compat.tooling import frameworks, tiny as tiny_models
 
     if patches:
         fsdp2_compat.apply(patches)
-    fsdp_utils = import_fsdp_utils(framework)
+    import_fsdp_utils(framework)
 
     model = tiny_models.build(family, tie=tie, seed=0)
+    if lora:
+        model = with_lora(model)
     reference = copy.deepcopy(model)
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))  # named, as verl and SkyRL do
     result = {
         "wrapped": None,
         "error": None,
@@ -208,9 +166,9 @@ def train(rank, world, framework, family, patches, steps=2, tie=False, lr=0.05):
         "grads_checked": 0,
     }
     try:
-        fsdp_utils.apply_fsdp2(model, {"mesh": mesh}, {})
+        frameworks.shard(framework, model, world)
     except Exception as exc:  # torch refuses some broken plans at wrap time
-        result["error"] = "apply_fsdp2: %s: %s" % (type(exc).__name__, first_line(exc))
+        result["error"] = "%s: %s: %s" % (frameworks.entry_name(framework), type(exc).__name__, first_line(exc))
         return result
     result["wrapped"] = wrapped_module_names(model)
 
@@ -222,6 +180,18 @@ def train(rank, world, framework, family, patches, steps=2, tie=False, lr=0.05):
         return [tiny_models.make_batch(family, reference, seed=1 + step * world + r) for r in range(world)]
 
     return train_against_reference(model, reference, rank, world, result, batches_for, loss_of, steps, lr)
+
+
+def with_lora(model, seed=0):
+    """``model`` as a peft LoRA model (r=4 on ``q_proj`` / ``v_proj``, Gaussian-initialised ``lora_B``,
+    so the adapters change the output and get gradients from the first step)."""
+    import peft
+    import torch
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights="gaussian")
+        return peft.get_peft_model(model, config)
 
 
 def _rel_to_max(actual, expected):

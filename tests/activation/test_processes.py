@@ -23,6 +23,9 @@ Mechanisms, and which test proves each genuinely (each fails if it is broken):
   helper's setup hook for SkyRL (bootstrap off, user hook chained), and nothing
   patched when the variable is unset.
 - torchrun with 2 ranks: every rank reports the patch applied.
+- TRL: the .pth applies the TRL target at ``import trl.trainer.utils``; ``import
+  fsdp2_compat.auto`` at the top of a script does it with the bootstrap off; under
+  ``accelerate launch`` (2 CPU processes) every rank has it.
 
 Slow tests (several seconds each: every child imports torch and verl) carry
 ``pytest.mark.slow``; ``-m "not slow"`` keeps the fast ones.  Ray tests share one
@@ -658,6 +661,144 @@ def test_torchrun_every_rank_applies(venv, tmp_path):
         _assert_installed_copy(venv, r)
         assert r["decisions"]["bootstrap"]["active"] is True, r["decisions"]
         assert _applied(r, "verl.utils.fsdp_utils"), (r["rank"], r["rows"])
+
+
+# -- slow: TRL (accelerate launch starts one process per rank) ----------------------------
+
+TRL = guards.installed_version("trl")
+needs_trl = pytest.mark.skipif(TRL is None or not guards.in_range(TRL, ">=1.15.0"),
+                               reason="needs trl >= 1.15.0 (add_fused_lm_head); found %s" % TRL)
+TRL_UTILS = "trl.trainer.utils"
+
+
+def _trl_patched(r, module=TRL_UTILS):
+    rows = [row for row in r["rows"] if row["module"] == module and row["patch"] == "qwen3vl"]
+    return bool(rows) and all(row["outcome"] == engine.APPLIED for row in rows)
+
+
+@slow
+@needs_trl
+def test_pth_applies_the_trl_target_when_trl_utils_is_imported(venv):
+    """Only FSDP2_COMPAT_PATCHES set: the installed .pth requests it, the import of trl.trainer.utils applies it."""
+    proc = venv.run(
+        """
+        import trl.trainer.utils
+        import trl.trainer.sft_trainer as sft
+        from fsdp2_compat.core import engine
+        r = report(); r["alias_is_ours"] = engine.is_ours(sft.add_fused_lm_head)
+        emit(r)
+        """,
+        env={"FSDP2_COMPAT_PATCHES": "qwen3vl"},
+    )
+    r = _result(proc)
+    _assert_installed_copy(venv, r)
+    assert r["decisions"]["bootstrap"]["active"] is True and r["requested"] == ["qwen3vl"]
+    assert _trl_patched(r) and r["alias_is_ours"], r["rows"]
+
+
+TRL_SCRIPT = r"""
+import fsdp2_compat.auto  # first line of the training script
+from trl import SFTTrainer  # noqa: F401  (imports trl.trainer.sft_trainer -> trl.trainer.utils)
+import trl.trainer.sft_trainer as sft
+from fsdp2_compat.core import engine
+r = report(); r["alias_is_ours"] = engine.is_ours(sft.add_fused_lm_head)
+emit(r)
+"""
+
+
+@slow
+@needs_trl
+def test_import_auto_at_the_top_of_a_trl_script_applies_the_trl_target(venv, tmp_path):
+    """The bootstrap is off: only the script's own ``import fsdp2_compat.auto`` can request the patch."""
+    script = tmp_path / "train.py"
+    script.write_text(REPORT + TRL_SCRIPT)
+    proc = subprocess.run([venv.python, str(script)], env=_clean_env(FSDP2_COMPAT_PATCHES="qwen3vl",
+                          FSDP2_COMPAT_DISABLE_BOOTSTRAP="1"), cwd=str(tmp_path), capture_output=True, text=True,
+                          timeout=600)
+    r = _result(proc)
+    _assert_installed_copy(venv, r)
+    assert r["decisions"]["bootstrap"]["active"] is False and r["requested"] == ["qwen3vl"]
+    assert _trl_patched(r) and r["alias_is_ours"], r["rows"]
+
+
+ACCELERATE_RANK = r"""
+import torch.distributed as dist
+from accelerate import PartialState
+state = PartialState(cpu=True)  # the gloo group accelerate launch set up the environment for
+import trl.trainer.sft_trainer as sft
+from fsdp2_compat.core import engine
+r = report(); r["alias_is_ours"] = engine.is_ours(sft.add_fused_lm_head)
+r["rank"], r["world"] = state.process_index, state.num_processes
+gathered = [None] * r["world"]
+dist.all_gather_object(gathered, r)
+if r["rank"] == 0:
+    emit(gathered)
+"""
+
+
+@slow
+@needs_trl
+def test_accelerate_launch_every_rank_applies_the_trl_target(venv, tmp_path):
+    """``accelerate launch`` (its torchrun launcher, 2 CPU processes) with only FSDP2_COMPAT_PATCHES set."""
+    script = tmp_path / "rank.py"
+    script.write_text(REPORT + ACCELERATE_RANK)
+    cmd = [venv.python, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
+           "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0", str(script)]
+    proc = subprocess.run(cmd, env=_clean_env(FSDP2_COMPAT_PATCHES="qwen3vl", OMP_NUM_THREADS="1"),
+                          cwd=str(tmp_path), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    ranks = _result(proc)
+    assert sorted(r["rank"] for r in ranks) == [0, 1] and len({r["pid"] for r in ranks}) == 2
+    for r in ranks:
+        _assert_installed_copy(venv, r)
+        assert r["decisions"]["bootstrap"]["active"] is True, r["decisions"]
+        assert _trl_patched(r) and r["alias_is_ours"], (r["rank"], r["rows"])
+
+
+NEW_FRAMEWORKS = [d for d in ("areal", "llamafactory") if guards.installed_version(d)]
+
+RANK_MODULES = r"""
+import datetime, importlib, sys, torch.distributed as dist
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+for name in sys.argv[1:]:
+    importlib.import_module(name)
+r = report()
+r["rank"], r["world"] = dist.get_rank(), dist.get_world_size()
+gathered = [None] * r["world"]
+dist.all_gather_object(gathered, r)
+if r["rank"] == 0:
+    emit(gathered)
+dist.destroy_process_group()
+"""
+
+
+@slow
+@pytest.mark.skipif(not HAS_TORCH or not NEW_FRAMEWORKS, reason="neither areal nor llamafactory is installed")
+def test_torchrun_every_rank_applies_to_areal_and_llamafactory(venv, tmp_path):
+    """AReaL's local launcher and LLaMA-Factory's v1 launcher start the trainer ranks with torchrun and
+    the launcher's own environment: the variable alone reaches each rank, the bootstrap applies there."""
+    from fsdp2_compat import integrations
+
+    modules = [integrations.get(d).wrap_module for d in NEW_FRAMEWORKS]
+    script = tmp_path / "rank.py"
+    script.write_text(REPORT + RANK_MODULES)
+    proc = subprocess.run(
+        [venv.python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)] + modules,
+        env=_clean_env(FSDP2_COMPAT_PATCHES="glm4v", OMP_NUM_THREADS="1"),
+        cwd=str(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    ranks = _result(proc)
+    assert sorted(r["rank"] for r in ranks) == [0, 1]
+    for r in ranks:
+        _assert_installed_copy(venv, r)
+        assert r["decisions"]["bootstrap"]["active"] is True, r["decisions"]
+        for module in modules:
+            expected = 2 if module.startswith("llamafactory") else 1  # selection and layer-class lookup
+            assert len(_applied(r, module)) == expected, (r["rank"], module, r["rows"])
 
 
 # -- the start-up benchmark ---------------------------------------------------------------

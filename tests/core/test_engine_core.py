@@ -173,6 +173,18 @@ def test_a_sibling_target_that_fits_the_code_makes_the_other_one_a_seam_not_a_re
     assert engine.is_applied("toy")
 
 
+def test_targets_fixing_different_things_in_one_module_are_refused_separately(toy, monkeypatch, capsys):
+    """Not layouts of each other (LLaMA-Factory's selection and its layer-class lookup): unknown code of
+    one is refused with the warning line even though the other fits and applies."""
+    toy.register(monkeypatch, toy.patch(toy.select, toy.prepare))
+    monkeypatch.setattr(toy.prepare, "fingerprints", {"1.0-1.1": "0000000000000000"})
+    utils = toy.import_utils()
+    fsdp2_compat.apply("toy")
+    assert outcome_of(toy.select).kind == engine.APPLIED
+    assert outcome_of(toy.prepare).kind == engine.DRIFTED and utils.Engine().prepare(3) == ("upstream", 3)
+    assert "patch toy NOT applied to f2c-toy 1.2.0 (toy method)" in capsys.readouterr().err
+
+
 def test_a_release_declared_not_to_need_the_target_is_not_a_refusal(toy, monkeypatch, capsys):
     toy.register(monkeypatch, toy.patch())
     monkeypatch.setattr(toy.select, "fingerprints", {"1.0-1.1": "0000000000000000"})
@@ -211,6 +223,22 @@ def test_a_seam_can_say_its_fix_is_not_needed_here(toy, monkeypatch, capsys):
     outcome = outcome_of(toy.select)
     assert outcome.kind == engine.NOT_NEEDED and "already does" in outcome.detail
     assert not engine.is_ours(utils.select) and capsys.readouterr().err == ""
+
+
+def test_a_release_known_to_have_the_bug_in_other_code_is_refused_loudly(toy, monkeypatch, capsys):
+    toy.register(monkeypatch, toy.patch())
+    monkeypatch.setattr(toy.select, "fingerprints", {"1.0-1.1": "0000000000000000"})
+    monkeypatch.setattr(toy.select, "unsupported", {">=1.2": "reads the table through another function"})
+    utils = toy.import_utils()
+    fsdp2_compat.apply("toy")
+    outcome = outcome_of(toy.select)
+    assert outcome.kind == engine.UNSUPPORTED and "another function" in outcome.detail
+    assert not engine.is_ours(utils.select)
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert "patch toy NOT applied to f2c-toy 1.2.0" in line and "another function" in line
+    with pytest.raises(fsdp2_compat.Fsdp2CompatError, match="release not covered"):
+        fsdp2_compat.revert()
+        fsdp2_compat.apply("toy", strict=True)
 
 
 def test_failure_midway_leaves_nothing_half_applied(toy, monkeypatch):

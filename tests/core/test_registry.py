@@ -50,6 +50,16 @@ def test_siblings_are_the_other_layouts_of_the_same_module():
     assert registry.siblings(inline, ["qwen3vl"]) == []  # qwen3vl has no selection target in that module
 
 
+def test_targets_of_one_module_that_fix_different_things_are_not_siblings():
+    """LLaMA-Factory's selection and its layer-class lookup both need their own code to fit."""
+    from fsdp2_compat.integrations import llamafactory
+
+    selection, lookup = llamafactory.WRAP_SELECTION, llamafactory.LAYER_CLASS_LOOKUP
+    assert selection.module == lookup.module
+    assert selection in registry.patch("glm4v").targets and lookup in registry.patch("glm4v").targets
+    assert registry.siblings(selection, ["glm4v"]) == [] and registry.siblings(lookup, ["glm4v"]) == []
+
+
 def test_patch_families_are_derived_from_model_types():
     p = Patch("x", "s", {"glm4v": "GLM-4.1V", "glm4v_moe": "GLM-4.5V"}, (), (), "never")
     assert p.families == ("GLM-4.1V (glm4v)", "GLM-4.5V (glm4v_moe)")

@@ -11,7 +11,10 @@
   like the installed release with the runtime patches: the same FSDP2 units
   on every tiny model family (untied, tied, tied under an "untied" config
   flag), and fused forwards that match the unsharded data-parallel reference
-  on 2 ranks with different data.
+  on 2 ranks with different data.  TRL (no wrap selection of its own:
+  accelerate wraps): its SFT, GRPO-style, distillation and async
+  distillation losses on accelerate's FSDP2 preparation match the same
+  reference, patched source and runtime patch alike.
 """
 
 import json
@@ -23,7 +26,7 @@ import tempfile
 
 import pytest
 
-from fsdp2_compat import registry
+from fsdp2_compat import integrations, registry
 from fsdp2_compat.core import engine, guards
 from support import diffs, releases
 from support import oracle as oracle_jobs
@@ -31,23 +34,21 @@ from support import oracle as oracle_jobs
 REPO = diffs.REPO
 
 # The upstream releases the pinned test sets (.ci/sets) install.
-PINNED = {
-    "verl": ("0.7.0", "0.8.0", "0.9.1"),
-    "skyrl": ("0.1.0", "0.3.0"),
-    "skyrl-train": ("0.3.1",),
-    "torch": ("2.13.0",),  # its diffs are checked against the installed files (no download of torch)
-}
+PINNED = {"verl": ("0.7.0", "0.8.0", "0.9.1"), "skyrl": ("0.1.0", "0.3.0"), "skyrl-train": ("0.3.1",),
+          "areal": ("1.0.4",), "llamafactory": ("0.9.5",), "trl": ("1.16.0",),
+          "torch": ("2.13.0",)}  # torch: its diffs are checked against the installed files (no download of torch)
 RELEASES = [(d, v) for d, vs in PINNED.items() for v in vs]
-# The frameworks (an apply_fsdp2): the patched-source oracle below runs those.  torch's
-# diffs are checked to apply exactly; its patched source is not run (that would copy
-# the installed torch); tests/integrations/test_grad_accumulation.py proves the runtime
-# patch on real FSDP2 instead.
-FRAMEWORKS = [d for d in PINNED if d != "torch"]
+# torch's diffs are checked to apply exactly, but the patched-source oracle below does not
+# run a patched torch (that would copy the installed torch);
+# tests/integrations/test_grad_accumulation.py proves the runtime patch on real FSDP2 instead.
+NOT_RUN = ("torch",)
 TOL = 1e-5
 
 
-def module_file(module):
-    return module.replace(".", "/") + ".py"
+def module_files(module):
+    """The two files a module can be (``a/b.py`` or the package ``a/b/__init__.py``)."""
+    stem = module.replace(".", "/")
+    return (stem + ".py", stem + "/__init__.py")
 
 
 def expected_diffs(dist, version):
@@ -120,7 +121,8 @@ def test_patch_set_is_exactly_what_the_registry_implies():
     for dist, version, path in ALL_DIFFS:
         targets = expected_diffs(dist, version)[path]
         # Each diff changes exactly the file of the module its targets patch at runtime.
-        assert diffs.diff_files(os.path.join(REPO, path)) == [module_file(targets[0].module)], path
+        [changed] = diffs.diff_files(os.path.join(REPO, path))
+        assert changed in module_files(targets[0].module), (path, changed)
         assert os.path.isfile(os.path.join(REPO, "patches", dist, version, "README.md")), (dist, version)
         assert os.path.relpath(path, "patches") in index or path in index, "%s is not in patches/README.md" % path
 
@@ -134,7 +136,7 @@ def test_pinned_sets_are_covered():
     for name in os.listdir(sets):
         with open(os.path.join(sets, name), encoding="utf-8") as f:
             for line in f:
-                m = re.match(r"^\s*(verl|skyrl|skyrl-train|torch)==([\w.]+)(\+\w+)?\s*(#.*)?$", line)
+                m = re.match(r"^\s*(%s)==([\w.]+)(\+\w+)?\s*(#.*)?$" % "|".join(map(re.escape, PINNED)), line)
                 if m:
                     pins.add((m.group(1), m.group(2)))
     assert pins <= set(RELEASES), "pinned in .ci/sets but not in PINNED: %s" % sorted(pins - set(RELEASES))
@@ -222,7 +224,10 @@ def _installed_pinned(dist):
     return version is not None and version in PINNED[dist]
 
 
-ORACLE_DISTS = [d for d in FRAMEWORKS if _installed_pinned(d)]
+ORACLE_DISTS = [d for d in PINNED if d not in NOT_RUN and _installed_pinned(d)]
+WRAPPING = [d for d in PINNED if integrations.get(d).wrap_module is not None]  # TRL leaves wrapping to accelerate
+# TRL jobs: (family, path); "async" is AsyncDistillationTrainer.compute_loss (tests/support/trl_jobs.py).
+TRL_CASES = [("qwen3_vl", "sft"), ("qwen3_vl", "grpo"), ("qwen3_vl", "distill"), ("qwen3_vl", "async"), ("qwen2", "sft")]
 VERL_MODULES = ["qwen3_vl", "glm4v", "qwen2_vl", "dense_common", "qwen3_5"]
 REAL_FAMILIES = ["qwen3_vl", "qwen2", "glm4v"]  # through verl's own apply_monkey_patch (scenarios.train_fused)
 
@@ -241,7 +246,8 @@ def _jobs(tree, patches):
     """The same checks for both sides: ``tree`` (patched source) or ``patches`` (runtime)."""
     families = _families()
     runtime = patches is not None
-    jobs = [("wrap:" + d, "wrap_units", 1, [d, families, tree, patches, families if runtime else []]) for d in ORACLE_DISTS]
+    jobs = [("wrap:" + d, "wrap_units", 1, [d, families, tree, patches, families if runtime else []])
+            for d in ORACLE_DISTS if d in WRAPPING]
     if "verl" in ORACLE_DISTS:
         version = installed("verl")
         modules = _fused_modules(version)
@@ -249,6 +255,10 @@ def _jobs(tree, patches):
         sensitive = modules if runtime and guards.in_range(version, ">=0.7.1") else []
         args = [modules, [f for f in REAL_FAMILIES if f in families], tree, patches, sensitive]
         jobs.append(("fused", "fused_lm_head", 2, args))
+    if "trl" in ORACLE_DISTS:
+        jobs += [("trl:%s:%s" % c, "trl_case", 2, [c[0], c[1], tree, patches]) for c in TRL_CASES]
+        if runtime:  # upstream without the fix, to show the comparison can tell
+            jobs.append(("trl-unpatched:qwen3_vl:sft", "trl_case", 2, ["qwen3_vl", "sft", None, None]))
     return jobs
 
 
@@ -304,7 +314,7 @@ def _results(oracle, job):
 @pytest.mark.parametrize(
     "framework",
     [pytest.param(d, marks=pytest.mark.skipif(d not in ORACLE_DISTS, reason="%s: no pinned release installed here" % d))
-     for d in FRAMEWORKS],
+     for d in WRAPPING],
 )
 def test_patched_source_wraps_the_same_units_as_the_runtime_patch(oracle, framework):
     [source], [runtime] = _results(oracle, "wrap:" + framework)
@@ -368,3 +378,28 @@ def test_patched_source_fused_forwards_match_the_runtime_patch(oracle):
                 continue
             crashed = res["error"] is not None and "got mixed torch.Tensor and DTensor" in res["error"]
             assert crashed or res["lm_head_grad_err"] > 1e-3, (key, res)
+
+
+@pytest.mark.skipif("trl" not in ORACLE_DISTS, reason="no pinned trl release installed here")
+def test_patched_source_trl_losses_match_the_runtime_patch(oracle):
+    for family, path in TRL_CASES:
+        source, runtime = _results(oracle, "trl:%s:%s" % (family, path))
+        for rank in range(2):
+            s, r = source[rank], runtime[rank]
+            assert s["mode"]["requested"] == [] and r["mode"]["requested"], (family, path)
+            assert all(f.startswith(oracle["tree"]) for f in s["mode"]["files"].values()), s["mode"]["files"]
+            for label, res in (("patched source", s["result"]), ("runtime patch", r["result"])):
+                where = "%s %s, %s, rank %d" % (family, path, label, rank)
+                assert res["error"] is None, "%s: %s" % (where, res["error"])
+                assert res["head_weight"] == "DTensor" and "lm_head" in res["wrapped"], (where, res["wrapped"])
+                assert res["loss_err"] < TOL and res["param_err"] < TOL, (where, res)
+                assert res["lm_head_rel_to_max"] < TOL, (where, res["lm_head_rel_to_max"])
+                assert res["grad_err"] < TOL, "%s: worst gradient %s %.2e" % (where, res["worst_grad"], res["grad_err"])
+            assert s["result"]["wrapped"] == r["result"]["wrapped"]
+            kernels = [[list(k) for k in res["result"].get("kernel_weights", ())] for res in (s, r)]
+            assert kernels[0] == kernels[1], (family, path, kernels)  # the source side came back through JSON
+            assert s["result"]["losses"] == pytest.approx(r["result"]["losses"], rel=1e-6, abs=1e-6), (family, path)
+        assert source[0]["result"]["losses"] != source[1]["result"]["losses"], "same data on both ranks"
+    unpatched = oracle["runtime"]["trl-unpatched:qwen3_vl:sft"]
+    assert "error" not in unpatched, unpatched
+    assert all(r["result"]["lm_head_rel_to_max"] > 0.1 for r in unpatched["result"]), unpatched["result"]

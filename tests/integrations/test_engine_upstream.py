@@ -270,7 +270,7 @@ def test_status_shows_glm4v_applied_for_every_installed_framework(python):
         from fsdp2_compat.core import guards
         from fsdp2_compat.tooling.scenarios import import_fsdp_utils
         fsdp2_compat.apply("glm4v")
-        installed = [i.dist for i in integrations.frameworks() if guards.installed_version(i.dist)]
+        installed = [i.dist for i in integrations.wrapping() if guards.installed_version(i.dist)]
         for fw in installed:
             import_fsdp_utils(fw)
         print(json.dumps([installed, fsdp2_compat.status()]))

@@ -129,7 +129,7 @@ def _framework_params():
     from fsdp2_compat.tooling import tiny
 
     out = []
-    for integration in integrations.frameworks():
+    for integration in integrations.wrapping():
         for family in FAMILIES:
             reason = None
             if guards.installed_version(integration.dist) is None:

@@ -1,12 +1,17 @@
-"""The wrap-selection fix, proven on real FSDP2 through each framework's own ``apply_fsdp2``.
+"""The wrap-selection fix, proven on real FSDP2 through each framework's own entry point.
 
-For every framework release installed in this pinned set:
+Each framework shards as its trainer does (``fsdp2_compat.tooling.frameworks.shard``):
+verl / SkyRL ``apply_fsdp2``, AReaL ``parallelize_model``, LLaMA-Factory
+``FSDP2Engine.prepare_model`` on the process group its ``DistributedInterface``
+creates.  For every framework release installed in this pinned set:
 - unpatched, the first forward of a tiny GLM4V (and of the other families
   whose auxiliary embedding is read raw) raises the mixed Tensor/DTensor error
   (so the patch is needed);
 - patched, two ranks with different data train two optimizer steps and match
   an unsharded reference trained on the data-parallel average, to 1e-5;
-- the set of FSDP units differs from upstream's only by auxiliary embeddings.
+- the set of FSDP units differs from upstream's only by auxiliary embeddings
+  (LLaMA-Factory: and by the units of the one layer class its lookup picks from
+  a list, which the patch restores on transformers 5.x).
 """
 
 import re
@@ -21,12 +26,12 @@ from fsdp2_compat.core import guards  # noqa: E402
 from fsdp2_compat.tooling import tiny as tiny_models  # noqa: E402
 from fsdp2_compat.tooling.ranks import run_ranks  # noqa: E402
 from fsdp2_compat.tooling.scenarios import train  # noqa: E402
-from support.rank_jobs import wrap_plans  # noqa: E402
+from support.rank_jobs import train_families, wrap_plans  # noqa: E402
 
 FRAMEWORKS = [
     pytest.param(i.dist, marks=pytest.mark.skipif(guards.installed_version(i.dist) is None,
                                                   reason="%s not in this pinned set" % i.dist))
-    for i in integrations.frameworks()
+    for i in integrations.wrapping()  # the frameworks with an apply_fsdp2 of their own (not TRL)
 ]
 
 # How upstream fails on 2 ranks without the patch, per family (what was
@@ -35,7 +40,7 @@ FRAMEWORKS = [
 # transformers 5.x) or a layer class nests another (Qwen2-Audio's attention),
 # torch 2.13 refuses the nested group already at wrap time.
 MIXED = r"got mixed torch.Tensor and DTensor"
-NESTED = r"^apply_fsdp2: RuntimeError: Cannot concatenate overlapping meshes"
+NESTED = r"^(apply_fsdp2|prepare_model): RuntimeError: Cannot concatenate overlapping meshes"
 UPSTREAM_FAILURE = {
     "glm4v": r"^step 0: RuntimeError: aten.grid_sampler_2d.default " + MIXED,
     "glm4v_moe": r"^step 0: RuntimeError: aten.grid_sampler_2d.default " + MIXED,
@@ -78,6 +83,23 @@ def test_patched_two_ranks_match_the_data_parallel_reference(framework, family):
     assert results[0]["losses"] != results[1]["losses"]
 
 
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_one_rank_crashes_unpatched_on_glm4v_and_matches_the_reference_patched(framework):
+    """One rank (no data-parallel average to miss): the same GLM4V error, and every patched
+    family trains like the unsharded model."""
+    families = [f for f in RAW_READ_FAMILIES if tiny_models.wrappable(f) is True] + ["qwen2"]
+    [runs] = run_ranks(train_families, 1, framework, families, dict(PATCH_OF, qwen2="glm4v"))
+    for family in ("glm4v", "glm4v_moe", "glm46v"):
+        if family in runs:
+            assert re.search(UPSTREAM_FAILURE[family], runs[family]["unpatched"]["error"] or ""), runs[family]
+    assert runs["qwen2"]["unpatched"]["error"] is None
+    for family, run in runs.items():
+        result = run["patched"]
+        assert result["error"] is None, (family, result["error"])
+        assert result["grads_checked"] > 0 and result["loss_err"] < TOL and result["param_err"] < TOL, (family, result)
+        assert result["grad_err"] < TOL, (family, result["worst_grad"], result["grad_err"])
+
+
 CONTROL_FAMILIES = ["qwen2", "llama", "qwen2_5_vl"]
 
 
@@ -95,15 +117,19 @@ def test_patched_plan_differs_from_upstream_only_by_auxiliary_embeddings(framewo
     [plans] = run_ranks(wrap_plans, 1, framework, families, "glm4v")
     for family, plan in plans.items():
         patched = set(plan["patched"])
-        assert "<root>" in patched and any("layers" in n or "blocks" in n for n in patched), (family, patched)
+        # LLaMA-Factory shards one layer class; on transformers 5.x upstream finds none for a
+        # VLM, the patch restores the one its list rule picks (tests/integrations/test_llamafactory.py).
+        lookup = set(plan["layer_lookup"])
+        assert lookup <= patched, (family, lookup - patched)
+        assert "<root>" in patched and (lookup or any("layers" in n or "blocks" in n for n in patched)), (family, patched)
         if family in CONTROL_FAMILIES:
             assert plan["auxiliary"] == [], family
-            assert patched == set(plan["unpatched"]), family
+            assert patched - lookup == set(plan["unpatched"]) - lookup, family
             continue
         assert plan["auxiliary"], family
         assert not patched & set(plan["auxiliary"]), (family, "an auxiliary embedding kept its own group")
         if isinstance(plan["unpatched"], list):
-            assert patched <= set(plan["unpatched"]), family
+            assert patched - lookup <= set(plan["unpatched"]), family
             dropped = set(plan["unpatched"]) - patched
             assert set(plan["auxiliary"]) <= dropped, family
             # Anything else dropped is a layer class nested in a unit the fix kept.

@@ -199,6 +199,9 @@ def classify(target, version, read):
     reason = policy.declared_reason(target, version)
     if reason is not None:
         return "declared", reason
+    reason = policy.unsupported_reason(target, version)
+    if reason is not None:
+        return "unsupported", reason
     text = read()
     if text is None:
         return "unclassified", "%s is not in this release, and no declared spec says so" % target.module

@@ -4,7 +4,7 @@ They run the *patched upstream source* (a tree first on ``PYTHONPATH``, no
 runtime patch) or the installed release with the runtime patches, and report
 the same facts for both: the FSDP2 units ``apply_fsdp2`` creates
 (``wrap_units``) and the fused-forward losses and gradients against an
-unsharded reference (``fused_lm_head``).  ``jobs_main`` runs a JSON list of
+unsharded reference (``fused_lm_head``; TRL's loss paths: ``trl_case``).  ``jobs_main`` runs a JSON list of
 jobs in a fresh interpreter and prints the results after ``RESULT_MARK``.
 """
 
@@ -38,14 +38,11 @@ def wrap_units(rank, world, framework, families, tree=None, patches=None, unpatc
     Returns ``{"units": {"<family>/<tie variant>": [...] or "error: ..."}, "unpatched": {...},
     "mode": {...}}`` (tie variants: ``TIE_VARIANTS``).
     """
-    from torch.distributed.device_mesh import init_device_mesh
-
     import fsdp2_compat
-    from fsdp2_compat.tooling import tiny as tiny_models
+    from fsdp2_compat.tooling import frameworks, tiny as tiny_models
     from fsdp2_compat.tooling.scenarios import first_line, import_fsdp_utils, wrapped_module_names
 
     fsdp_utils = import_fsdp_utils(framework)
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
 
     def plan(families):
         out = {}
@@ -54,7 +51,7 @@ def wrap_units(rank, world, framework, families, tree=None, patches=None, unpatc
                 model = tiny_models.build(family, tie=_TIE_ARG[tie])
                 key = "%s/%s" % (family, tie)
                 try:
-                    fsdp_utils.apply_fsdp2(model, {"mesh": mesh}, {})
+                    frameworks.shard(framework, model, world)
                     out[key] = wrapped_module_names(model)
                 except Exception as exc:
                     out[key] = "error: %s: %s" % (type(exc).__name__, first_line(exc))
@@ -219,6 +216,28 @@ def fused_lm_head(rank, world, model_modules, families=(), tree=None, patches=No
     result["mode"] = _check_mode(tree, patches, modules)
     result["results"] = run_all(model_modules, families)
     return result
+
+
+TRL_MODULES = ("trl.trainer.utils", "trl.trainer.distillation_trainer",
+               "trl.experimental.async_distillation.async_distillation_trainer")
+
+
+def trl_case(rank, world, family, path, tree=None, patches=None):
+    """One TRL loss path (``trl_scenarios.train_trl``; ``path="async"``: ``trl_jobs.async_distill_step``) on
+    accelerate's FSDP2 preparation against the data-parallel reference; ``tree`` / ``patches`` as in
+    ``wrap_units``.  Returns ``{"result": ..., "mode": ...}``."""
+    import importlib
+
+    from fsdp2_compat.tooling.trl_scenarios import train_trl
+
+    if path == "async":
+        from support.trl_jobs import async_distill_step
+
+        result = async_distill_step(rank, world, family, patches)
+    else:
+        result = train_trl(rank, world, family, path, patches)
+    modules = [importlib.import_module(m) for m in TRL_MODULES]
+    return {"result": result, "mode": _check_mode(tree, patches, modules)}
 
 
 def run_jobs(jobs):

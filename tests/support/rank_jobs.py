@@ -21,14 +21,11 @@ def wrap_plans(rank, world, framework, families, patches):
     "auxiliary": [...]}}``; the auxiliary embeddings are the ones the fix
     keeps in the root group.
     """
-    from torch.distributed.device_mesh import init_device_mesh
-
     import fsdp2_compat
-    from fsdp2_compat.tooling import tiny as tiny_models
+    from fsdp2_compat.tooling import frameworks, tiny as tiny_models
     from fsdp2_compat.fixes.selection import auxiliary_embeddings
 
-    fsdp_utils = import_fsdp_utils(framework)
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))  # named, as verl and SkyRL do
+    import_fsdp_utils(framework)
     plans = {}
     for family in families:
         plan = plans[family] = {}
@@ -37,7 +34,7 @@ def wrap_plans(rank, world, framework, families, patches):
             if label == "patched":
                 fsdp2_compat.apply(patches)
             try:
-                fsdp_utils.apply_fsdp2(model, {"mesh": mesh}, {})
+                frameworks.shard(framework, model, world)
                 plan[label] = wrapped_module_names(model)
             except Exception as exc:
                 plan[label] = "error: %s: %s" % (type(exc).__name__, first_line(exc))
@@ -45,7 +42,71 @@ def wrap_plans(rank, world, framework, families, patches):
                 fsdp2_compat.revert()
         model = tiny_models.build(family)
         plan["auxiliary"] = sorted(n for n, m in model.named_modules() if m in auxiliary_embeddings(model))
+        plan["layer_lookup"] = list_rule_units(model) if framework == "llamafactory" else []
     return plans
+
+
+def train_families(rank, world, framework, families, patch_of, **kwargs):
+    """``scenarios.train`` per family in this one process, unpatched then with ``patch_of[family]``.
+
+    Returns ``{family: {"unpatched": result, "patched": result}}``; every patch is reverted after
+    each run.  Cheaper than a fresh pair of rank processes per run (one rank: no data to differ).
+    """
+    import fsdp2_compat
+    from fsdp2_compat.tooling.scenarios import train
+
+    out = {}
+    for family in families:
+        out[family] = {}
+        for label, patches in (("unpatched", None), ("patched", patch_of[family])):
+            try:
+                out[family][label] = train(rank, world, framework, family, patches, **kwargs)
+            finally:
+                fsdp2_compat.revert()
+    return out
+
+
+def lf_call_forms(rank, world, family):
+    """LLaMA-Factory's ``prepare_model`` called as ``engine.prepare_model(model)`` ("instance") and as
+    ``FSDP2Engine.prepare_model(engine, model)`` ("class"): the units, unpatched and with ``glm4v``."""
+    import fsdp2_compat
+    from fsdp2_compat.tooling import frameworks, tiny as tiny_models
+
+    engine = frameworks.llamafactory_engine(world)
+    cls = type(engine)
+    calls = {"instance": lambda m: engine.prepare_model(m), "class": lambda m: cls.prepare_model(engine, m)}
+    out = {}
+    for form, call in calls.items():
+        out[form] = {}
+        for label in ("unpatched", "patched"):
+            if label == "patched":
+                fsdp2_compat.apply("glm4v")
+            try:
+                model = tiny_models.build(family)
+                call(model)
+                out[form][label] = wrapped_module_names(model)
+            finally:
+                fsdp2_compat.revert()
+    return out
+
+
+def list_rule_units(model):
+    """LLaMA-Factory 0.9.5: the modules of the one layer class its released ``get_transformer_layer_cls``
+    picks when ``_no_split_modules`` is a list (transformers 4.x), run unpatched on a list copy."""
+    from fsdp2_compat.tooling.audit.plans import _unwrapped
+    from llamafactory.v1.plugins.trainer_plugins.distributed import fsdp2
+
+    names = getattr(model, "_no_split_modules", None)
+    had, saved = "_no_split_modules" in model.__dict__, model.__dict__.get("_no_split_modules")
+    model._no_split_modules = sorted(names) if names else names
+    try:
+        cls = _unwrapped(fsdp2.get_transformer_layer_cls)(model)
+    finally:
+        if had:
+            model._no_split_modules = saved
+        else:
+            del model._no_split_modules
+    return sorted(n for n, m in model.named_modules() if cls is not None and type(m) is cls)
 
 
 

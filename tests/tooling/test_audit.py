@@ -28,6 +28,9 @@ from support import real_size  # noqa: E402
 
 VERL = guards.installed_version("verl")
 needs_verl = pytest.mark.skipif(VERL is None, reason="verl is not installed")
+needs_areal = pytest.mark.skipif(guards.installed_version("areal") is None, reason="areal is not installed")
+needs_lf = pytest.mark.skipif(guards.installed_version("llamafactory") is None, reason="llamafactory is not installed")
+INSTALLED_MARKS = {"verl": needs_verl, "areal": needs_areal, "llamafactory": needs_lf}
 GLM4V_POS = "model.visual.embeddings.position_embedding.weight"
 
 # tests/integrations/test_wrap_selection.py proves that every family the catalogue
@@ -56,7 +59,7 @@ def run_plan(family, plan, tie=False):
 
 
 def upstream_plans():
-    return [pytest.param("verl", marks=needs_verl), "skyrl"]
+    return [pytest.param(p, marks=INSTALLED_MARKS[p]) if p in INSTALLED_MARKS else p for p in audit.UPSTREAM_PLANS]
 
 
 # ---------------------------------------------------------------------------
@@ -104,12 +107,51 @@ def test_verl_plan_is_computed_unpatched_while_our_patch_is_applied():
     assert "model.visual.embeddings.position_embedding" in audit.plan_modules(model, "verl")
 
 
+@needs_lf
+def test_llamafactory_plan_is_computed_unpatched_while_our_patch_is_applied():
+    """The lookup fix is in place, yet the plan shows what 0.9.5 does on transformers 5.x."""
+    model, _ = tiny("glm4v")
+    fsdp2_compat.apply("glm4v")
+    import importlib
+
+    fsdp2 = importlib.import_module("llamafactory.v1.plugins.trainer_plugins.distributed.fsdp2")
+    assert engine.is_applied("glm4v") and hasattr(fsdp2.get_transformer_layer_cls, "__wrapped__")
+    units = audit.plan_modules(model, "llamafactory")
+    assert "model.visual.embeddings.position_embedding" in units
+    if isinstance(model._no_split_modules, set):
+        assert not any("blocks" in u or "layers" in u for u in units), units  # no layer class found
+
+
+@pytest.mark.parametrize("plan", [pytest.param("areal", marks=needs_areal), pytest.param("llamafactory", marks=needs_lf)])
+def test_upstream_plan_refuses_code_it_does_not_know(plan, monkeypatch):
+    from fsdp2_compat.integrations import areal, llamafactory
+
+    target = areal.WRAP_SELECTION if plan == "areal" else llamafactory.WRAP_SELECTION
+    monkeypatch.setattr(target, "fingerprints", {"9.9.9": "0000000000000000"})
+    model, _ = tiny("glm4v")
+    with pytest.raises(audit.AuditInputError, match=r"fingerprint [0-9a-f]{16}, not the code of 9\.9\.9"):
+        audit.plan_modules(model, plan)
+
+
+@pytest.mark.parametrize("framework", [pytest.param("areal", marks=needs_areal),
+                                       pytest.param("llamafactory", marks=needs_lf)])
+def test_upstream_plan_is_the_units_the_installed_release_creates(framework):
+    """The audit's plan and the release's own entry point on real FSDP2 (1 gloo rank), every family."""
+    from fsdp2_compat.tooling.ranks import run_ranks
+    from support.rank_jobs import wrap_plans
+
+    families = [f for f in tiny_models.FAMILIES if tiny_models.wrappable(f) is True]
+    [plans] = run_ranks(wrap_plans, 1, framework, families, "glm4v")
+    for family in families:
+        model = tiny_models.build(family)
+        assert sorted(audit.plan_modules(model, framework) + ["<root>"]) == plans[family]["unpatched"], family
+
+
 # ---------------------------------------------------------------------------
 # controls
 
 
-@pytest.mark.parametrize("plan", [pytest.param("verl", marks=needs_verl), "skyrl", "fixed",
-                                  pytest.param("fixed-verl", marks=needs_verl), "hyperparallel"])
+@pytest.mark.parametrize("plan", upstream_plans() + ["fixed", pytest.param("fixed-verl", marks=needs_verl), "hyperparallel"])
 @pytest.mark.parametrize("family", ["qwen3_vl", "qwen2", "llama"])
 def test_controls_have_no_hazard_under_every_plan(family, plan):
     model, _ = tiny(family)
@@ -376,7 +418,7 @@ def test_audit_module_imports_without_torch(python):
 
 
 def test_sweep_matches_the_real_fsdp2_crashes():
-    plans = audit.SWEEP_PLANS if VERL is not None else tuple(p for p in audit.SWEEP_PLANS if p != "verl")
+    plans = tuple(p for p in audit.SWEEP_PLANS if p not in INSTALLED_MARKS or guards.installed_version(p))
     rows = audit.sweep(plans=plans)
     print()
     print(audit.format_sweep(rows))
@@ -384,7 +426,7 @@ def test_sweep_matches_the_real_fsdp2_crashes():
     assert done
     by = {(r["family"], r["plan"]): r for r in done}
     for family in CRASHING:
-        for plan in ("verl", "skyrl"):
+        for plan in audit.UPSTREAM_PLANS:
             r = by.get((family, plan))
             if r is None:
                 continue

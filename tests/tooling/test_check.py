@@ -7,10 +7,12 @@ import pytest
 from fsdp2_compat import integrations
 from fsdp2_compat.core import guards
 
-FRAMEWORKS = [i.dist for i in integrations.frameworks() if guards.installed_version(i.dist)]
-pytestmark = pytest.mark.skipif(not FRAMEWORKS, reason="no framework installed in this pinned set")
+# Frameworks with a wrap selection of their own (TRL leaves wrapping to accelerate: its rows are below).
+FRAMEWORKS = [i.dist for i in integrations.wrapping() if guards.installed_version(i.dist)]
+needs_framework = pytest.mark.skipif(not FRAMEWORKS, reason="no verl / SkyRL installed in this pinned set")
 
 
+@needs_framework
 def test_check_shows_the_crash_unpatched_and_the_fix_patched(python):
     proc = python(
         "import sys; from fsdp2_compat.cli import main; sys.exit(main(['check', '--json', '--families', 'glm4v,qwen2']))"
@@ -26,6 +28,7 @@ def test_check_shows_the_crash_unpatched_and_the_fix_patched(python):
         assert row["patched"] == "ok" and row["loss_match"] and row["patch"] == "glm4v"
 
 
+@needs_framework
 def test_check_fails_when_a_patch_does_not_fix_its_case(python):
     # Pair GLM4V with a patch that does not touch the wrap selection: the
     # patched run still crashes, and check must say so with exit status 1.
@@ -48,6 +51,20 @@ def test_check_fails_when_a_patch_does_not_fix_its_case(python):
     assert all(set(r["output"]) == {"unpatched", "patched"} for r in report["rows"])
 
 
+@pytest.mark.skipif(guards.installed_version("llamafactory") is None, reason="llamafactory not in this pinned set")
+def test_check_rows_for_llamafactory_keep_its_log_and_show_the_layer_class_lookup_fixed(python):
+    """LLaMA-Factory logs to a stdout handler of its own: captured per case, never in the JSON stream."""
+    proc = python(
+        "import sys; from fsdp2_compat.cli import main; sys.exit(main(['check', '--json', '--families', 'glm4v']))"
+    )
+    report = json.loads(proc.stdout)
+    [row] = [r for r in report["rows"] if r["framework"] == "llamafactory"]
+    assert "aten.grid_sampler_2d.default got mixed torch.Tensor and DTensor" in row["unpatched"], row
+    assert row["patched"] == "ok" and row["loss_match"] and row["fixed"], row
+    assert "Could not identify Transformer Layer class" in row["output"]["unpatched"], row["output"]
+    assert "Applying per-layer FSDP to Glm4vVisionBlock" in row["output"]["patched"], row["output"]
+
+
 VERL = guards.installed_version("verl")
 
 
@@ -65,3 +82,23 @@ def test_check_shows_the_unaveraged_gradient_on_two_ranks(python):
     assert "Monkey patch" in one_rank["output"]["unpatched"]  # verl's prints: captured, not on stdout
     assert two_ranks["unpatched"].startswith("runs, but the lm_head.weight gradient misses the data-parallel average")
     assert two_ranks["patched"] == "ok" and two_ranks["fixed"] and two_ranks["patch"] == "qwen3vl"  # ... two can
+
+
+TRL = guards.installed_version("trl")
+
+
+@pytest.mark.skipif(TRL is None or not guards.in_range(TRL, ">=1.16.0"),
+                    reason="TRL's check rows need trl >= 1.16.0 (its fused head runs on CPU from 1.16.0)")
+def test_check_shows_trls_unaveraged_lm_head_gradient_and_the_fix(python):
+    from fsdp2_compat.tooling.check import TRL_KIND
+
+    proc = python(
+        "import sys; from fsdp2_compat.cli import main; sys.exit(main(['check', '--json', '--families', 'qwen3_vl']))"
+    )
+    report = json.loads(proc.stdout)  # TRL's and the ranks' prints must not reach stdout
+    assert report["failed"] == 0
+    [row] = [r for r in report["rows"] if r["framework"] == "trl"]
+    assert row["kind"] == TRL_KIND and row["version"] == TRL and row["patch"] == "qwen3vl"
+    assert row["unpatched"].startswith("runs, but the lm_head.weight gradient misses the data-parallel average by")
+    assert float(row["unpatched"].rsplit(" ", 1)[1]) > 1e-3
+    assert row["patched"] == "ok" and row["loss_match"] and row["fixed"]

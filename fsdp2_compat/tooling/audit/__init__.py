@@ -32,12 +32,12 @@ Importing this package imports neither torch, transformers nor verl.
 from .cli import add_arguments, main, run
 from .findings import NO_PATCH, ROOT, AuditInputError, Finding, Hazard
 from .ownership import parameter_owners, plan_problems
-from .plans import PLANS, SWEEP_PLANS, describe_plan, layer_classes_of, plan_modules
+from .plans import PLANS, SWEEP_PLANS, UPSTREAM_PLANS, describe_plan, layer_classes_of, plan_modules
 from .report import format_report, format_sweep, report, sweep
 from .tracker import audit
 
 __all__ = [
-    "AuditInputError", "Finding", "Hazard", "NO_PATCH", "PLANS", "ROOT", "SWEEP_PLANS",
+    "AuditInputError", "Finding", "Hazard", "NO_PATCH", "PLANS", "ROOT", "SWEEP_PLANS", "UPSTREAM_PLANS",
     "add_arguments", "audit", "describe_plan", "format_report", "format_sweep", "layer_classes_of",
     "main", "parameter_owners", "plan_modules", "plan_problems", "report", "run", "sweep",
 ]

@@ -2,7 +2,7 @@
 
 from .findings import NO_PATCH, ROOT
 from .ownership import parameter_owners
-from .plans import plan_modules
+from .plans import UPSTREAM_PLANS, plan_modules
 
 
 class Coverage:
@@ -71,7 +71,7 @@ class Coverage:
                     note = " (but it targets %s %s; installed: %s)" % (target.dist, target.versions, version)
                 return name, "apply patch '%s': it unshards %s through FSDP before %s.%s reads it%s" % (
                     name, owner or "<root>", target.module.rpartition(".")[2], target.attr, note)
-        if self.plan in ("verl", "skyrl"):  # the plans the wrap-selection patches change
+        if self.plan in UPSTREAM_PLANS:  # the plans the wrap-selection patches change
             fixed_owner = self._fixed()[read.pid][2]
             if fixed_owner in read.active:
                 name, all_names = self._wrap_patch()

@@ -33,8 +33,8 @@ def add_arguments(parser):
                              "e.g. vision_config.depth=2); repeatable")
     parser.add_argument("--tie", action="store_true", help="tiny families: build with tied input/output embeddings")
     parser.add_argument("--plan", default="verl", metavar="PLAN",
-                        help="verl (what the installed verl selects), skyrl, fixed, fixed-verl, hyperparallel, "
-                             "or comma-separated module names (default: verl)")
+                        help="verl, areal, llamafactory (what the installed release selects, unpatched), skyrl, "
+                             "fixed, fixed-verl, hyperparallel, or comma-separated module names (default: verl)")
     parser.add_argument("--layer-classes", metavar="NAMES",
                         help="comma-separated layer class names (default: the model's _no_split_modules)")
     parser.add_argument("--fused", action="store_true",
@@ -42,8 +42,8 @@ def add_arguments(parser):
                              "backend; return_dict=True, no labels)")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.add_argument("--sweep", action="store_true",
-                        help="audit every available vision/audio tiny family under verl, skyrl, fixed and "
-                             "hyperparallel (ignores the model and plan options)")
+                        help="audit every available vision/audio tiny family under verl, skyrl, areal, "
+                             "llamafactory, fixed and hyperparallel (ignores the model and plan options)")
     parser.add_argument("--markdown", action="store_true", help="with --sweep: a Markdown table")
 
 

@@ -1,14 +1,17 @@
 """Wrap plans: which modules get their own FSDP2 unit under each framework's rule.
 
-``plan_modules(model, plan)`` computes the units of ``verl`` (what the installed
-release selects, unpatched), ``skyrl``, ``fixed`` (fsdp2-compat's rule),
-``fixed-verl``, ``hyperparallel`` or an explicit list of module names.
+``plan_modules(model, plan)`` computes the units of ``verl``, ``areal`` and
+``llamafactory`` (what the installed release selects, unpatched), ``skyrl``,
+``fixed`` (fsdp2-compat's rule), ``fixed-verl``, ``hyperparallel`` or an
+explicit list of module names.
 """
 
 from .findings import AuditInputError
 
-PLANS = ("verl", "skyrl", "fixed", "fixed-verl", "hyperparallel")
-SWEEP_PLANS = ("verl", "skyrl", "fixed", "hyperparallel")
+PLANS = ("verl", "skyrl", "areal", "llamafactory", "fixed", "fixed-verl", "hyperparallel")
+SWEEP_PLANS = ("verl", "skyrl", "areal", "llamafactory", "fixed", "hyperparallel")
+UPSTREAM_PLANS = ("verl", "skyrl", "areal", "llamafactory")  # the plans fsdp2-compat's selection patches change
+INSTALLED_PLANS = ("verl", "areal", "llamafactory")  # computed from the installed release
 
 
 def layer_classes_of(model):
@@ -67,6 +70,80 @@ def _skyrl_selection(model, layer_classes):
     ]
 
 
+def _known_code(dist, target):
+    """The installed ``dist``'s version when its code at ``target`` is code this audit knows (else input error).
+
+    Read from the installed file (no import): the rule reproduced or called below
+    is the one of the releases with these fingerprints.
+    """
+    import importlib.util
+
+    from fsdp2_compat.core import guards
+
+    version = guards.installed_version(dist)
+    if version is None:
+        raise AuditInputError("plan %r needs %s installed (it computes what the installed release selects)"
+                              % (dist, dist))
+    spec = importlib.util.find_spec(target.module)
+    try:
+        with open(spec.origin, encoding="utf-8") as f:
+            found = guards.fingerprint_source(f.read(), target.attr)
+    except (AttributeError, TypeError, OSError, LookupError, SyntaxError) as exc:
+        raise AuditInputError("plan %r: cannot read %s.%s of %s %s (%s)" % (dist, target.module, target.attr, dist,
+                                                                            version, exc)) from None
+    if found not in target.fingerprints.values():
+        raise AuditInputError("plan %r: %s %s's %s has fingerprint %s, not the code of %s: unknown to this audit"
+                              % (dist, dist, version, target.attr, found, ", ".join(target.fingerprints)))
+    return version
+
+
+def _areal_selection(model, layer_classes):
+    """AReaL 1.0.4 ``apply_fsdp2`` (inline, from verl): layer classes by name, plus every nn.Embedding
+    when ``model.config.tie_word_embeddings`` is false (read without a default)."""
+    import torch.nn as nn
+
+    from fsdp2_compat.integrations import areal
+
+    _known_code("areal", areal.WRAP_SELECTION)
+    tie = model.config.tie_word_embeddings
+    return [
+        m for _, m in model.named_modules()
+        if type(m).__name__ in layer_classes or (isinstance(m, nn.Embedding) and not tie)
+    ]
+
+
+def llamafactory_layer_class(model):
+    """The one layer class the installed LLaMA-Factory's ``get_transformer_layer_cls`` picks, unpatched."""
+    from fsdp2_compat.integrations import llamafactory
+
+    _known_code("llamafactory", llamafactory.LAYER_CLASS_LOOKUP)
+    from llamafactory.v1.plugins.trainer_plugins.distributed import fsdp2
+
+    return _unwrapped(fsdp2.get_transformer_layer_cls)(model)
+
+
+def _llamafactory_selection(model):
+    """LLaMA-Factory 0.9.5 ``FSDP2Engine.prepare_model``: with LoRA layers, every leaf with a trainable
+    parameter first; then modules of exactly the one class ``get_transformer_layer_cls`` returns (none on
+    transformers 5.x for VLMs: it ignores a set), plus every nn.Embedding unless
+    ``getattr(model.config, "tie_word_embeddings", True)``.  ``--layer-classes`` does not apply."""
+    import torch.nn as nn
+    from peft.tuners.lora import LoraLayer  # LLaMA-Factory's fsdp2.py imports it: installed with it
+
+    from fsdp2_compat.integrations import llamafactory
+
+    _known_code("llamafactory", llamafactory.WRAP_SELECTION)
+    layer_cls = llamafactory_layer_class(model)
+    chosen = []
+    if any(isinstance(m, LoraLayer) for m in model.modules()):
+        chosen += [m for m in model.modules()
+                   if not list(m.children()) and any(p.requires_grad for p in m.parameters(recurse=False))]
+    untied_flag = not getattr(model.config, "tie_word_embeddings", True)
+    chosen += [m for _, m in model.named_modules()
+               if (layer_cls is not None and type(m) is layer_cls) or (isinstance(m, nn.Embedding) and untied_flag)]
+    return chosen
+
+
 def _hyperparallel_selection(model):
     """HyperParallel ``FSDP2Manager._find_transformer_block_modules``: every grandchild of a
     module that has a ``gradient_checkpointing`` attribute (a module already picked is not
@@ -89,7 +166,10 @@ def plan_modules(model, plan, layer_classes=None):
 
     ``plan``: ``verl`` (what the installed verl selects: its real
     ``_select_fsdp2_wrap_targets`` on 0.7.1+, the inline rule of 0.4.0-0.7.0
-    otherwise), ``skyrl``, ``fixed`` (``select_wrap_targets``),
+    otherwise), ``skyrl``, ``areal`` (the inline rule of AReaL's
+    ``apply_fsdp2``), ``llamafactory`` (``FSDP2Engine.prepare_model``'s rule
+    around the installed, unpatched ``get_transformer_layer_cls``; both
+    checked against the known fingerprints), ``fixed`` (``select_wrap_targets``),
     ``fixed-verl`` (``select_verl``: the fix plus verl's by-name
     ``embed_tokens`` / ``lm_head`` units), ``hyperparallel``, or a list /
     comma-separated string of module names.  The upstream plans are computed
@@ -109,6 +189,10 @@ def plan_modules(model, plan, layer_classes=None):
         modules, _ = _verl_selection(model, layer_classes)
     elif plan == "skyrl":
         modules = _skyrl_selection(model, layer_classes)
+    elif plan == "areal":
+        modules = _areal_selection(model, layer_classes)
+    elif plan == "llamafactory":
+        modules = _llamafactory_selection(model)
     elif plan == "fixed":
         from fsdp2_compat.fixes.selection import select_wrap_targets
 
@@ -141,6 +225,15 @@ def describe_plan(plan):
         if guards.in_range(version, ">=0.7.1"):
             return "verl %s: verl.utils.fsdp_utils._select_fsdp2_wrap_targets (unpatched)" % version
         return "verl %s: inline rule of apply_fsdp2 (layer classes or untied nn.Embedding)" % version
+    if plan in ("areal", "llamafactory"):
+        version = guards.installed_version(plan)
+        if version is None:
+            return "%s (not installed)" % plan
+        if plan == "areal":
+            return ("areal %s: inline rule of apply_fsdp2 (layer classes, plus every nn.Embedding when "
+                    "config.tie_word_embeddings is false)" % version)
+        return ("llamafactory %s: FSDP2Engine.prepare_model (LoRA leaves; the one class get_transformer_layer_cls "
+                "returns, unpatched; every nn.Embedding when the config says untied)" % version)
     return {
         "skyrl": "SkyRL: layer classes, plus every nn.Embedding when config.tie_word_embeddings is false",
         "fixed": "fsdp2-compat fixed: layer classes, plus the input embedding when untied (by identity)",

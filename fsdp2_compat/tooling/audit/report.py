@@ -6,14 +6,14 @@ from fsdp2_compat.tooling.verl_batches import add_verl_position_ids
 
 from .findings import AuditInputError, Finding
 from .ownership import plan_problems
-from .plans import PLANS, SWEEP_PLANS, describe_plan, layer_classes_of, plan_modules
+from .plans import INSTALLED_PLANS, PLANS, SWEEP_PLANS, describe_plan, layer_classes_of, plan_modules
 from .tracker import audit
 
 
 def _versions():
     from fsdp2_compat.core import guards
 
-    return {d: guards.installed_version(d) for d in ("torch", "transformers", "verl")}
+    return {d: guards.installed_version(d) for d in ("torch", "transformers", "verl", "areal", "llamafactory")}
 
 
 def report(model, batch, plan, label, fused=False, layer_classes=None, notes=()):
@@ -113,8 +113,8 @@ def sweep(families=None, plans=SWEEP_PLANS):
         model = tiny_models.build(family)
         batch = tiny_models.make_batch(family, model, seed=0)
         for plan in plans:
-            if plan == "verl" and guards.installed_version("verl") is None:
-                rows.append({"family": family, "plan": plan, "skipped": "verl not installed"})
+            if plan in INSTALLED_PLANS and guards.installed_version(plan) is None:
+                rows.append({"family": family, "plan": plan, "skipped": "%s not installed" % plan})
                 continue
             rep = report(model, batch, plan, family)
             rows.append({"family": family, "plan": plan, "units": len(rep["units"]),

@@ -1,0 +1,150 @@
+"""LLaMA-Factory: the v1 trainer's FSDP2 engine, ``FSDP2Engine.prepare_model``.
+
+Module ``llamafactory.v1.plugins.trainer_plugins.distributed.fsdp2`` (first
+released in 0.9.5; 0.7.1-0.9.3 have no ``v1`` package, 0.9.4 a ``v1`` without
+an FSDP2 engine).  ``hub.py`` imports ``FSDP2Engine`` inside
+``shard_model_fsdp2`` at call time and nothing imports ``prepare_model``,
+``fully_shard`` or ``get_transformer_layer_cls`` by name: there are no
+aliases to rebind.
+
+Two targets, fingerprinted separately:
+
+1. **Wrap selection** (``FSDP2Engine.prepare_model``).  Inline, as in verl
+   0.4-0.7: after an optional LoRA pass (every leaf with a trainable
+   parameter gets ``fully_shard`` first) it shards every module whose exact
+   type is the one layer class ``get_transformer_layer_cls`` found **and every
+   ``nn.Embedding`` when ``getattr(model.config, "tie_word_embeddings",
+   True)`` is false**, through the module-global ``fully_shard``, then the
+   root.  GLM4V's vision ``position_embedding`` is then read raw while
+   sharded: ``aten.grid_sampler_2d.default got mixed torch.Tensor and
+   DTensor`` (the other auxiliary-embedding families: ``aten.add.Tensor`` /
+   ``aten.copy_.default``).  ``engine_seam`` installs the two wrappers of
+   ``fsdp2_compat.fixes.inline_selection`` unchanged: one on the method
+   (class attribute; wrapt binds it, so the model is ``args[0]`` however the
+   method is called) publishes the model, one on the module's ``fully_shard``
+   drops the auxiliary embeddings (and a module inside one already sharded).
+   LLaMA-Factory's own mesh (``(mp_replicate, mp_shard)``), mixed precision,
+   offload and reshard arguments are kept; an untied input embedding the
+   config flag hid gets a unit with the root call's arguments.
+2. **Layer-class lookup** (``get_transformer_layer_cls``).  It reads
+   ``model._no_split_modules`` only when that is a list or tuple; transformers
+   5.x makes the instance attribute a set, so the lookup falls back to
+   ``model.model.layers[0]`` and every VLM / audio LM (and every ``PeftModel``,
+   even of a text model) logs "Could not identify Transformer Layer class" and
+   gets no layer unit at all: the whole model is one root unit.
+   ``layer_class_seam`` applies upstream's list rule (the class of the first
+   listed module met in ``named_modules()``) to a set or frozenset; lists,
+   tuples, ``None`` and no match run upstream's code.  This restores exactly
+   what 0.9.5 does on transformers 4.x, no more: LLaMA-Factory shards **one**
+   layer class, and for every VLM here the first met is the *vision* block,
+   so the decoder layers stay in the root unit.  It does **not** make VLMs
+   memory-efficient under LLaMA-Factory (real-size GLM-4.5V: 98.8 % of the
+   parameters stay in the root unit with it, 99.4 % without; Qwen2.5-7B text
+   is 7.2 % either way).  It is narrow, it fixes ``PeftModel`` text models on
+   5.x, and LoRA/VLM users get a vision-layer unit as on 4.x.
+
+The crash fix does not need the lookup fix (and the lookup fix alone does
+not fix the crash; with it alone LFM2-VL fails at wrap time, because the
+first listed class is ``Siglip2VisionEmbeddings`` and upstream then shards
+its child ``position_embedding`` after it).  Both are carried by the same
+patches.
+
+Upstream: LLaMA-Factory main rewrote ``get_transformer_layer_cls`` in PR
+#10656 ("[v1] Support multimodal data training", 2026-07-31) to return every
+``.layers`` / ``.blocks`` class (the set bug and the one-class limit are gone
+there); it is in no release.  Main still gives every untied ``nn.Embedding``
+its own unit, so the crash is still there and the next release will need
+the selection target again under a new fingerprint (main's ``prepare_model``
+adds ``ignored_params``; check then that an untied input embedding the seam
+adds gets the right arguments).  The rule is SkyRL's fix (issue #2087 / PR
+#2088).
+
+Fails safe: each target is applied only where its function's fingerprint is
+the one below (else refused with the reason, nothing touched);
+``engine_seam`` raises ``Drift`` when ``fully_shard`` is not a module global;
+outside a ``prepare_model`` call the ``fully_shard`` wrapper is a
+pass-through.  Delete the selection target when a release selects only the
+layer classes and the untied input embedding, the lookup target when a
+release accepts any iterable ``_no_split_modules`` (PR #10656 released: add
+it as ``fixed_in`` for this target).
+"""
+
+from ..core.records import Integration, Target
+
+FSDP2 = "llamafactory.v1.plugins.trainer_plugins.distributed.fsdp2"
+
+INTEGRATION = Integration(
+    dist="llamafactory",
+    package="llamafactory",
+    wrap_module=FSDP2,
+    callers=(),  # hub.py imports FSDP2Engine inside a function: nothing to rebind
+)
+
+_NO_ENGINE = {
+    "<0.9.4": "no llamafactory.v1 package (the v0 trainer uses HF Trainer / accelerate FSDP)",
+    "==0.9.4": "llamafactory.v1 has no FSDP2 engine (distributed/: accelerate.py, deepspeed.py only)",
+}
+
+WRAP_SELECTION = Target(
+    dist="llamafactory",
+    module=FSDP2,
+    attr="FSDP2Engine.prepare_model",
+    versions="==0.9.5",
+    fingerprints={"0.9.5": "a44f2891e2a82f49"},
+    seam="fsdp2_compat.integrations.llamafactory:engine_seam",
+    what="FSDP2 wrap selection (inline loop in FSDP2Engine.prepare_model)",
+    declared=_NO_ENGINE,
+    diff="wrap-selection",
+)
+
+LAYER_CLASS_LOOKUP = Target(
+    dist="llamafactory",
+    module=FSDP2,
+    attr="get_transformer_layer_cls",
+    versions="==0.9.5",
+    fingerprints={"0.9.5": "0bc1a37af15029f1"},
+    seam="fsdp2_compat.integrations.llamafactory:layer_class_seam",
+    what="FSDP2 layer-class lookup (ignores a set _no_split_modules)",
+    declared=_NO_ENGINE,
+    diff="wrap-selection",
+)
+
+
+def engine_seam(module, attr):
+    """``{attr: method wrapper, "fully_shard": filtered fully_shard}`` for ``FSDP2Engine.prepare_model``."""
+    from ..core.guards import Drift
+    from ..fixes.inline_selection import wrap_apply_fsdp2, wrap_fully_shard
+
+    owner, _, name = attr.rpartition(".")
+    method = module.__dict__[owner].__dict__[name]
+    fully_shard = module.__dict__.get("fully_shard")
+    if fully_shard is None or not callable(fully_shard):
+        raise Drift("%s has no module-global fully_shard" % module.__name__)
+    return {attr: wrap_apply_fsdp2(method), "fully_shard": wrap_fully_shard(fully_shard)}
+
+
+def first_listed_class(model, names):
+    """Upstream's list rule for any collection of names: the class of the first listed module met, or None."""
+    from ..fixes.selection import layer_class_names
+
+    wanted = layer_class_names(names)
+    for _, sub in model.named_modules():
+        if type(sub).__name__ in wanted:
+            return type(sub)
+    return None
+
+
+def layer_class_seam(module, attr):
+    """``{attr: wrapper}``: a set / frozenset ``_no_split_modules`` follows upstream's list rule."""
+    import wrapt
+
+    def get_transformer_layer_cls(wrapped, instance, args, kwargs):
+        model = args[0] if args else kwargs.get("model")
+        names = getattr(model, "_no_split_modules", None)
+        if isinstance(names, (set, frozenset)) and names:
+            found = first_listed_class(model, names)
+            if found is not None:
+                return found
+        return wrapped(*args, **kwargs)  # lists, tuples, None, no match: upstream's own code
+
+    return {attr: wrapt.FunctionWrapper(module.__dict__[attr], get_transformer_layer_cls)}

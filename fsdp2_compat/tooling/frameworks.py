@@ -1,0 +1,178 @@
+"""Import each framework's FSDP2 module and shard a model through its own entry point.
+
+``import_fsdp_utils(framework)`` imports ``Integration.wrap_module``.
+``shard(framework, model, world)`` runs, in a process whose default gloo group
+spans ``world`` ranks:
+
+- verl, skyrl, skyrl-train: ``fsdp_utils.apply_fsdp2(model, {"mesh": mesh}, {})``
+  on a 1-D mesh named ``fsdp`` (as verl and SkyRL name it);
+- areal: ``parallelize_model`` from ``areal.engine.fsdp_utils.parallel``, the
+  function ``FSDPEngine`` calls, with AReaL's own ``ParallelHelper`` over
+  ``FSDPParallelStrategy(data_parallel_size=world)`` (its world mesh, flattened
+  to ``dp_sp``), ``TrainEngineConfig(dtype="float32")`` and the default
+  ``FSDPWrapPolicy()``; it imported ``apply_fsdp2`` by name, so this runs
+  through the alias the engine rebinds;
+- llamafactory: ``FSDP2Engine({"name": "fsdp2"}, bf16=False).prepare_model(model)``,
+  the engine built by its own ``__init__``.  Its ``DistributedInterface``
+  (a singleton) calls ``init_process_group`` itself from ``RANK`` /
+  ``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT`` and builds its own
+  ``(mp_replicate, mp_shard)`` mesh, so the caller's group is handed over
+  first: rank 0 picks a free local port and broadcasts it, the group is
+  destroyed, and LLaMA-Factory initialises the replacement (gloo, env://).
+  The caller's ``destroy_process_group()`` then destroys that one.
+
+Nothing here is CUDA-bound: AReaL's ``current_platform`` is its CPU platform
+and LLaMA-Factory's accelerator helper falls back to CPU on a CPU-only torch.
+"""
+
+import importlib
+import importlib.machinery
+import os
+import sys
+
+ENTRY = {"llamafactory": "prepare_model"}  # the name a wrap-time error is reported under; else apply_fsdp2
+
+
+def entry_name(framework):
+    return ENTRY.get(framework, "apply_fsdp2")
+
+
+def shard(framework, model, world):
+    """Shard ``model`` in place through ``framework``'s own entry point; returns the model."""
+    if framework == "areal":
+        return _areal(model, world)
+    if framework == "llamafactory":
+        return _llamafactory(model, world)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    fsdp_utils = import_fsdp_utils(framework)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+    fsdp_utils.apply_fsdp2(model, {"mesh": mesh}, {})
+    return model
+
+
+def import_fsdp_utils(framework):
+    """Import the framework's real ``fsdp_utils`` module.
+
+    skyrl 0.2.0+ cannot ``import skyrl.backends`` on Python < 3.12 (its
+    ``__init__`` pulls a pydantic model that needs 3.12's TypedDict), although
+    ``fsdp_utils`` itself does not need that package ``__init__``.  There, and
+    only there, the package is registered without running its ``__init__``;
+    the module under test is still the released file, executed unchanged.
+    """
+    from fsdp2_compat import integrations
+
+    name = integrations.get(framework).wrap_module
+    if name is None:
+        raise ValueError("%s wraps no model itself (no apply_fsdp2); see fsdp2_compat.integrations" % framework)
+    if framework == "skyrl":
+        ensure_skyrl_backends_package()
+    return importlib.import_module(name)
+
+
+def ensure_skyrl_backends_package():
+    """Make ``skyrl.backends`` importable on Python < 3.12 (see ``import_fsdp_utils``)."""
+    import os
+    import types
+
+    if "skyrl.backends" in sys.modules:
+        return
+    try:
+        importlib.import_module("skyrl.backends")
+        return
+    except Exception as exc:  # pydantic.errors.PydanticUserError
+        if getattr(exc, "code", None) != "typed-dict-version":
+            raise
+    # Drop what the failed import left half-initialised.
+    for mod in [m for m in sys.modules if m == "skyrl.tinker.types" or m.startswith("skyrl.backends")]:
+        del sys.modules[mod]
+    import skyrl
+
+    path = os.path.join(os.path.dirname(skyrl.__file__), "backends")
+    pkg = types.ModuleType("skyrl.backends", "skyrl.backends, __init__ skipped (Python < 3.12)")
+    pkg.__path__ = [path]
+    pkg.__package__ = "skyrl.backends"
+    pkg.__file__ = os.path.join(path, "__init__.py")
+    spec = importlib.machinery.ModuleSpec("skyrl.backends", None, is_package=True)
+    spec.submodule_search_locations = [path]
+    pkg.__spec__ = spec
+    sys.modules["skyrl.backends"] = pkg
+    skyrl.backends = pkg
+
+
+_areal_helpers = {}  # (id of the default group, world) -> ParallelHelper (its mesh is built once)
+
+
+def _areal(model, world):
+    import torch.distributed as dist
+    from areal.api import FSDPParallelStrategy
+    from areal.api.cli_args import FSDPWrapPolicy, TrainEngineConfig
+    from areal.engine.fsdp_utils.parallel import ParallelHelper, parallelize_model
+
+    key = (id(dist.distributed_c10d._get_default_group()), world)
+    helper = _areal_helpers.get(key)
+    if helper is None:
+        helper = ParallelHelper.from_parallel_strategy(FSDPParallelStrategy(data_parallel_size=world))
+        _areal_helpers.clear()
+        _areal_helpers[key] = helper
+    config = TrainEngineConfig(dtype="float32", grad_reduce_dtype="float32")
+    parallelize_model(model, config, model.config, helper.world_mesh, helper, cpu_offload=None,
+                      wrap_policy=FSDPWrapPolicy())
+    return model
+
+
+_lf_group = []  # the default group LLaMA-Factory's DistributedInterface created in this process
+
+
+def _llamafactory(model, world):
+    return llamafactory_engine(world).prepare_model(model)
+
+
+def llamafactory_engine(world):
+    """``FSDP2Engine({"name": "fsdp2"}, bf16=False)`` on the process group LLaMA-Factory created itself."""
+    import torch.distributed as dist
+    from llamafactory.v1.accelerator.interface import DistributedInterface
+    from llamafactory.v1.plugins.trainer_plugins.distributed import fsdp2
+
+    current = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
+    interface = DistributedInterface._instance
+    if not (interface is not None and interface._initialized and _lf_group and current is _lf_group[0]):
+        _hand_over_group(DistributedInterface, world)
+    return fsdp2.FSDP2Engine({"name": "fsdp2"}, bf16=False)
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _hand_over_group(interface, world):
+    """Replace the caller's default group by the one LLaMA-Factory's ``DistributedInterface`` creates."""
+    import torch.distributed as dist
+
+    rank = 0
+    port = [_free_port()]
+    if dist.is_initialized():
+        rank = dist.get_rank()
+        dist.broadcast_object_list(port, src=0)
+        dist.destroy_process_group()
+    elif world != 1:
+        raise RuntimeError("llamafactory: no process group to hand over for %d ranks" % world)
+    env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port[0])}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        # A singleton: one left from an earlier (destroyed) group is rebuilt.
+        interface._instance, interface._initialized = None, False
+        interface({"timeout": 120})
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    _lf_group[:] = [dist.distributed_c10d._get_default_group()]
