@@ -104,6 +104,7 @@ USER_PATCH = {f: registry.for_model_type(f).name for f in FAMILIES}
 WITHOUT_TORCH_FIX = {"glm4v": ["t-selection"], "qwen3_vl": None}  # GLM-4.1V needs the selection fix to run at all
 GUARD_ONLY = {"glm4v": ["t-selection-guard"], "qwen3_vl": ["t-guard"]}
 PAIRS = [("bf16 deferred", "bf16 every"), ("fp32 deferred", "fp32 every")]
+APPLY_FSDP2_WITH_POLICY = ("verl", "skyrl", "skyrl-train")
 
 
 def _cases(family):
@@ -129,7 +130,9 @@ def _framework_params():
     from fsdp2_compat.tooling import tiny
 
     out = []
-    for integration in integrations.wrapping():
+    # verl's and SkyRL's apply_fsdp2 take the caller's MixedPrecisionPolicy; AReaL and LLaMA-Factory
+    # build theirs from their own configs through other entry points (not run here).
+    for integration in [i for i in integrations.wrapping() if i.dist in APPLY_FSDP2_WITH_POLICY]:
         for family in FAMILIES:
             reason = None
             if guards.installed_version(integration.dist) is None:
