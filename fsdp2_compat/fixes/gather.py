@@ -32,14 +32,18 @@ gradients of every use of the weight in the graph are summed (a chunked head
 reading it N times included).  So a grad-enabled read marks the parameter
 pending for its group, and a ``register_post_accumulate_grad_hook`` on the
 unsharded parameter (registered once per ``FSDPParam``) clears the mark; when
-the group has no pending parameter left, the hook calls the group's
+the group has no pending parameter left, and every trainable parameter of the
+group was read that way (a unit of its own: ``lm_head``) and its own forward
+did not run (the group is idle), the hook calls the group's
 ``post_backward()``: reduce-scatter (HSDP all-reduce), reshard, or with sync
 deferred the reduce-dtype accumulation, all FSDP's code.  The unit is then
 released before the decoder layers' backward instead of after the whole
 backward: its unsharded weight and gradient are not held through it.  FSDP's
 root post-backward callback finds the group done and only resets it (and is
-still the fallback, as before this change, when the hook does not fire: a
-read autograd never uses, a frozen weight).  When autograd is off (rollout
+still the fallback, as before this change, when the hook does not fire or
+does not release: a read autograd never uses, a frozen weight, a unit that
+also holds parameters used by module forwards, such as accelerate's tail unit
+with the final norm and ``lm_head``).  When autograd is off (rollout
 log-probs under ``no_grad``) nothing is marked and ``gathered`` reshards on
 exit.  Not supported, as before: a second backward through the same graph
 (``retain_graph=True``) after the unit was released; mixing ``owner(x)`` and
@@ -66,6 +70,8 @@ import weakref
 
 # group -> ids of its FSDPParams read with autograd on whose gradient is not complete yet
 _PENDING = weakref.WeakKeyDictionary()
+# group -> ids of every FSDPParam read with autograd on since the group was last released
+_READ = weakref.WeakKeyDictionary()
 # FSDPParam -> (weak reference to the unsharded parameter the hook is on, hook handle)
 _HOOKED = weakref.WeakKeyDictionary()
 # how many units were released early by the hook (tests and benchmarks read it)
@@ -114,11 +120,19 @@ def _release_when_complete(group, fsdp_param):
             if pending:
                 return  # another gathered parameter of the group still owes its gradient
             del _PENDING[g]
+            read = _READ.pop(g, set())
+            if g._training_state.name != "IDLE" or any(
+                    id(other) not in read and other.sharded_param.requires_grad for other in g.fsdp_params):
+                # The unit's own forward ran in this graph (FSDP's hooks own its post-backward), or it
+                # holds parameters used elsewhere (a tail unit with the final norm): releasing it now
+                # would free weights their backward still needs.  FSDP's root callback releases it.
+                return
             STATS["early_releases"] += 1
             g.post_backward()  # the call RegisterPostBackwardFunction makes for owner(x)
 
         _HOOKED[fsdp_param] = (weakref.ref(param), param.register_post_accumulate_grad_hook(gradient_complete))
     _PENDING.setdefault(group, set()).add(id(fsdp_param))
+    _READ.setdefault(group, set()).add(id(fsdp_param))
 
 
 def gather_param(owner, name="weight"):
