@@ -106,8 +106,44 @@ PATCHES = (
     ),
     _selection_patch(
         "paddleocrvl",
-        "`aten.add.Tensor got mixed torch.Tensor and DTensor` (vision `position_embedding` read raw)",
+        "`aten.add.Tensor got mixed torch.Tensor and DTensor` (vision `position_embedding` read raw; transformers "
+        "< 5.15, from 5.15.0 it is called as a module)",
         {"paddleocr_vl": "PaddleOCR-VL"},
+    ),
+    # Families new in transformers 5.1x (tiny models: fsdp2_compat/tooling/tiny/recent.py).
+    _selection_patch(
+        "hunyuanvl",
+        "`aten.add.Tensor got mixed torch.Tensor and DTensor` (untied checkpoints: the vision "
+        "`position_embedding.weight` is sliced raw in `interpolate_pos_encoding`)",
+        {"hunyuan_vl": "HunYuan-VL / HunyuanOCR"},
+    ),
+    _selection_patch(
+        "step3p7",
+        "`aten.add.Tensor got mixed torch.Tensor and DTensor` (the vision tower always interpolates its "
+        "`position_embedding.weight`); verl only: SkyRL reads the absent top-level `tie_word_embeddings`",
+        {"step3p7": "Step-3.7"},
+    ),
+    _selection_patch(
+        "glmimage",
+        "wrap-time `RuntimeError: Cannot concatenate overlapping meshes` (the VQ codebook inside a layer class) "
+        "or `aten.grid_sampler_2d.default got mixed torch.Tensor and DTensor` (GLM4V-style `position_embedding`)",
+        {"glm_image": "GLM-Image"},
+    ),
+    _selection_patch(
+        "cosmos3",
+        "`aten.add.Tensor got mixed torch.Tensor and DTensor` (SigLIP2-style vision `position_embedding` read raw)",
+        {"cosmos3_edge": "Cosmos-3 Edge"},
+    ),
+    _selection_patch(
+        "deepseekocr2",
+        "`aten.cat.default got mixed torch.Tensor and DTensor` (the vision encoder's query tables are read raw)",
+        {"deepseek_ocr2": "DeepSeek-OCR-2"},
+    ),
+    _selection_patch(
+        "chameleon",
+        "wrap-time `RuntimeError: Cannot concatenate overlapping meshes` (the VQ codebook inside a layer class), "
+        "or `aten.embedding.default got mixed torch.Tensor and DTensor` on one rank",
+        {"chameleon": "Chameleon"},
     ),
 )
 
