@@ -42,11 +42,19 @@ def import_fsdp_utils(framework):
 
 
 def ensure_skyrl_backends_package():
-    """Make ``skyrl.backends`` importable on Python < 3.12 (see ``import_fsdp_utils``)."""
+    """Make ``skyrl.backends`` importable on Python < 3.12 (see ``import_fsdp_utils``).
+
+    On 3.12+ it is a plain import: the released ``__init__`` runs, and any error
+    it raises is upstream's.  Below 3.12 only pydantic's ``typed-dict-version``
+    error selects the workaround.
+    """
     import os
     import types
 
     if "skyrl.backends" in sys.modules:
+        return
+    if sys.version_info >= (3, 12):
+        importlib.import_module("skyrl.backends")
         return
     try:
         importlib.import_module("skyrl.backends")
@@ -69,6 +77,26 @@ def ensure_skyrl_backends_package():
     pkg.__spec__ = spec
     sys.modules["skyrl.backends"] = pkg
     skyrl.backends = pkg
+
+
+def tie_flag_refusal(framework, config):
+    """Why ``framework``'s ``apply_fsdp2`` refuses a model with this config, patched or not, or None.
+
+    SkyRL and skyrl-train (every release) and verl < 0.7.1 select with
+    ``model.config.tie_word_embeddings`` read without a default (verl 0.7.1+
+    uses ``getattr(..., False)``); a config class without that top-level
+    attribute (Step-3.7) makes them raise ``AttributeError`` before anything
+    is sharded.  Our patch keeps upstream's loop, so it cannot change that.
+    """
+    from fsdp2_compat.core import guards
+
+    if hasattr(config, "tie_word_embeddings"):
+        return None
+    version = guards.installed_version(framework)
+    if framework == "verl" and (version is None or guards.in_range(version, ">=0.7.1")):
+        return None
+    return ("%s %s reads model.config.tie_word_embeddings without a default and %s has no top-level "
+            "tie_word_embeddings: AttributeError in apply_fsdp2, patched or not" % (framework, version, type(config).__name__))
 
 
 def first_line(exc):
@@ -178,10 +206,13 @@ def _compare_grads(model, reference, result):
                 result["grad_rel_to_max"], result["worst_rel_to_max"] = rel, name
 
 
-def train(rank, world, framework, family, patches, steps=2, tie=False, lr=0.05):
+def train(rank, world, framework, family, patches, steps=2, tie=False, lr=0.05, config_attrs=None):
     """One scenario on this rank; see the module docstring for the result.
 
     ``tie``: as for ``tiny_models.build`` (False, True or ``"weights-only"``).
+    ``config_attrs``: attributes set on ``model.config`` after the build, as a
+    config.json carrying those keys would give them (e.g. a top-level
+    ``tie_word_embeddings`` that the config class does not declare).
     """
     import copy
 
@@ -195,6 +226,8 @@ def train(rank, world, framework, family, patches, steps=2, tie=False, lr=0.05):
     fsdp_utils = import_fsdp_utils(framework)
 
     model = tiny_models.build(family, tie=tie, seed=0)
+    for key, value in (config_attrs or {}).items():
+        setattr(model.config, key, value)
     reference = copy.deepcopy(model)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))  # named, as verl and SkyRL do
     result = {

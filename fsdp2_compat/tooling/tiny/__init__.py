@@ -15,6 +15,7 @@ API::
     available(family)               # True, or a reason string
     wrappable(family)               # also: verl / SkyRL accept its layer classes
     tieable(family)                 # also: tie_word_embeddings=True really ties its embeddings
+    raw_read_removed(family)        # None, or why this transformers no longer reads it raw
     build(family, tie=False, seed=0)  # fp32 CPU model in train mode
     make_batch(family, model, seed=..., batch_size=2)  # kwargs for model(**batch)
 
@@ -51,7 +52,8 @@ from __future__ import annotations
 from .batches import make_batch
 from .configs import CLASSES, FAMILIES, tiny_config
 
-__all__ = ["FAMILIES", "CLASSES", "available", "wrappable", "tieable", "build", "make_batch", "tiny_config", "quiet"]
+__all__ = ["FAMILIES", "CLASSES", "available", "wrappable", "tieable", "raw_read_removed", "build", "make_batch",
+           "tiny_config", "quiet"]
 
 
 def available(family: str) -> bool | str:
@@ -83,6 +85,27 @@ def wrappable(family: str) -> bool | str:
             reason = "%s has an empty _no_split_modules in this transformers: upstream refuses it" % family
         _WRAPPABLE[family] = reason
     return _WRAPPABLE[family]
+
+
+# Families whose raw read the installed transformers may no longer have:
+# {family: (first release without it, what changed)}.
+RAW_READ_REMOVED = {
+    "paddleocr_vl": ("5.15.0", "PaddleOCRVisionEmbeddings calls its position_embedding as a module"),
+}
+
+
+def raw_read_removed(family: str):
+    """A reason when the installed transformers no longer reads ``family``'s auxiliary embedding
+    weight raw (so upstream FSDP2 does not crash on it), else None."""
+    if family not in RAW_READ_REMOVED:
+        return None
+    import transformers
+    from packaging.version import Version
+
+    first, what = RAW_READ_REMOVED[family]
+    if Version(transformers.__version__) >= Version(first):
+        return "transformers %s: %s (from %s): no raw read left" % (transformers.__version__, what, first)
+    return None
 
 
 _TIEABLE: dict = {}
