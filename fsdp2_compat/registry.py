@@ -141,8 +141,8 @@ PATCHES = (
     ),
     _selection_patch(
         "chameleon",
-        "wrap-time `RuntimeError: Cannot concatenate overlapping meshes` (the VQ codebook inside a layer class), "
-        "or `aten.embedding.default got mixed torch.Tensor and DTensor` on one rank",
+        "wrap-time `RuntimeError: Cannot concatenate overlapping meshes` (transformers 5.x: the VQ codebook "
+        "inside a layer class); on 4.57 `aten.add.Tensor got mixed torch.Tensor and DTensor` (the codebook read raw)",
         {"chameleon": "Chameleon"},
     ),
 )

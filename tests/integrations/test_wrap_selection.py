@@ -56,7 +56,8 @@ UPSTREAM_FAILURE = {
     "glm_image": NESTED,
     "cosmos3_edge": r"^step 0: RuntimeError: aten.add.Tensor " + MIXED,
     "deepseek_ocr2": r"^step 0: RuntimeError: aten.cat.default " + MIXED,
-    "chameleon": NESTED,
+    # transformers 5.x: as GLM-Image; 4.57 lists no quantizer layer class, and its codebook read crashes
+    "chameleon": NESTED + "|" + r"^step 0: RuntimeError: aten.add.Tensor " + MIXED,
 }
 PATCH_OF = registry.selection_model_types()
 RAW_READ_FAMILIES = [f for f in PATCH_OF if f in tiny_models.FAMILIES]

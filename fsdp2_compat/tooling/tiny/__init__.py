@@ -49,6 +49,7 @@ checkpoints of these classes cannot be tied either); ``tieable()`` says where.
 
 from __future__ import annotations
 
+from . import recent
 from .batches import make_batch
 from .configs import CLASSES, FAMILIES, tiny_config
 
@@ -66,6 +67,13 @@ def available(family: str) -> bool | str:
     missing = [n for n in (model_cls, config_cls) if not hasattr(transformers, n)]
     if missing:
         return f"transformers {transformers.__version__} has no {' / '.join(missing)}"
+    if family in recent.MIN_TRANSFORMERS:
+        from packaging.version import Version
+
+        first = recent.MIN_TRANSFORMERS[family]
+        if Version(transformers.__version__) < Version(first):
+            return f"the tiny {family} config and batch are written for transformers >= {first} " \
+                   f"(found {transformers.__version__})"
     return True
 
 

@@ -42,6 +42,10 @@ CLASSES: dict[str, tuple[str, str]] = {
     "chameleon": ("ChameleonForConditionalGeneration", "ChameleonConfig"),
 }
 
+# Oldest transformers each tiny config and batch were checked on, where older releases have the
+# classes with another forward (GLM-Image's tiny batch does not fit 5.0.0rc3's vision tower).
+MIN_TRANSFORMERS = {"glm_image": "5.8.0"}
+
 _VOCAB = 256
 _HIDDEN = 32
 _HEADS = 2
