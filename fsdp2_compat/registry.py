@@ -120,13 +120,15 @@ PATCHES = (
     _selection_patch(
         "step3p7",
         "`aten.add.Tensor got mixed torch.Tensor and DTensor` (the vision tower always interpolates its "
-        "`position_embedding.weight`); verl only: SkyRL reads the absent top-level `tie_word_embeddings`",
+        "`position_embedding.weight`); SkyRL cannot take its config at all (it reads a top-level "
+        "`tie_word_embeddings` the config class lacks: `AttributeError`, patched or not)",
         {"step3p7": "Step-3.7"},
     ),
     _selection_patch(
         "glmimage",
         "wrap-time `RuntimeError: Cannot concatenate overlapping meshes` (the VQ codebook inside a layer class) "
-        "or `aten.grid_sampler_2d.default got mixed torch.Tensor and DTensor` (GLM4V-style `position_embedding`)",
+        "and, on one rank, `aten.grid_sampler_2d.default got mixed torch.Tensor and DTensor` (GLM4V-style "
+        "`position_embedding`)",
         {"glm_image": "GLM-Image"},
     ),
     _selection_patch(
