@@ -138,10 +138,48 @@ PATCHES = (
     ),
     _selection_patch(
         "paddleocrvl",
-        "`aten.add.Tensor got mixed torch.Tensor and DTensor` (vision `position_embedding` read raw); " + _TRL_SYMPTOM,
+        "`aten.add.Tensor got mixed torch.Tensor and DTensor` (vision `position_embedding` read raw; transformers "
+        "< 5.15, from 5.15.0 it is called as a module); " + _TRL_SYMPTOM,
         {"paddleocr_vl": "PaddleOCR-VL"},
         TRL,
         _SELECTION_DELETE + "; and " + _TRL_DELETE,
+    ),
+    # Families new in transformers 5.1x (tiny models: fsdp2_compat/tooling/tiny/recent.py).
+    _selection_patch(
+        "hunyuanvl",
+        "`aten.add.Tensor got mixed torch.Tensor and DTensor` (untied checkpoints: the vision "
+        "`position_embedding.weight` is sliced raw in `interpolate_pos_encoding`)",
+        {"hunyuan_vl": "HunYuan-VL / HunyuanOCR"},
+    ),
+    _selection_patch(
+        "step3p7",
+        "`aten.add.Tensor got mixed torch.Tensor and DTensor` (the vision tower always interpolates its "
+        "`position_embedding.weight`); SkyRL cannot take its config at all (it reads a top-level "
+        "`tie_word_embeddings` the config class lacks: `AttributeError`, patched or not)",
+        {"step3p7": "Step-3.7"},
+    ),
+    _selection_patch(
+        "glmimage",
+        "wrap-time `RuntimeError: Cannot concatenate overlapping meshes` (the VQ codebook inside a layer class) "
+        "and, on one rank, `aten.grid_sampler_2d.default got mixed torch.Tensor and DTensor` (GLM4V-style "
+        "`position_embedding`)",
+        {"glm_image": "GLM-Image"},
+    ),
+    _selection_patch(
+        "cosmos3",
+        "`aten.add.Tensor got mixed torch.Tensor and DTensor` (SigLIP2-style vision `position_embedding` read raw)",
+        {"cosmos3_edge": "Cosmos-3 Edge"},
+    ),
+    _selection_patch(
+        "deepseekocr2",
+        "`aten.cat.default got mixed torch.Tensor and DTensor` (the vision encoder's query tables are read raw)",
+        {"deepseek_ocr2": "DeepSeek-OCR-2"},
+    ),
+    _selection_patch(
+        "chameleon",
+        "wrap-time `RuntimeError: Cannot concatenate overlapping meshes` (transformers 5.x: the VQ codebook "
+        "inside a layer class); on 4.57 `aten.add.Tensor got mixed torch.Tensor and DTensor` (the codebook read raw)",
+        {"chameleon": "Chameleon"},
     ),
 )
 
