@@ -13,13 +13,18 @@ derived from it (``for_model_type``, ``selection_model_types``).
 Rules that need the whole catalogue live here too (``siblings``).
 """
 
-from .integrations import areal, llamafactory, skyrl, trl, verl
+from .integrations import areal, llamafactory, skyrl, torch_fsdp, trl, verl
 from .core.records import Patch
 
 # The corrected FSDP2 wrap selection, in every framework release that has the bug
 # (LLaMA-Factory: with its layer-class lookup, which ignores transformers 5.x's set).
 WRAP_SELECTION = (verl.WRAP_SELECTION_INLINE, verl.WRAP_SELECTION, skyrl.SKYRL, skyrl.SKYRL_TRAIN,
                   areal.WRAP_SELECTION, llamafactory.WRAP_SELECTION, llamafactory.LAYER_CLASS_LOOKUP)
+
+# torch FSDP2's gradient accumulation when a micro-batch leaves a unit unused
+# (a text-only micro-batch of a VLM; an lm_head read with full_tensor()):
+# carried by every multimodal patch.
+GRAD_ACCUMULATION = torch_fsdp.GRAD_ACCUMULATION
 
 _SELECTION_REFS = ("SkyRL issue #2087", "SkyRL PR #2088", "LLaMA-Factory PR #10656 (layer-class lookup, main only)")
 _SELECTION_DELETE = (
@@ -34,6 +39,12 @@ _LM_HEAD_DELETE = (
 )
 
 
+_ACCUM_REFS = ("pytorch issue #196996", "pytorch PR #194058", "verl PR #7475", "verl issue #7520")
+# Appended to the summary of every patch that carries GRAD_ACCUMULATION.
+_ACCUM_SYMPTOM = ("; torch FSDP2 with deferred gradient sync and a micro-batch that skips a unit (text-only): "
+                  "`AttributeError: 'FSDPParam' object has no attribute '_unsharded_param'`")
+_ACCUM_DELETE = "when every torch you run is >= 2.15.0 (FSDP2 accumulation rewritten around grad_dtype)"
+
 # TRL's reads of lm_head.weight outside its forward (fused LM head, distillation): the
 # unaveraged gradient on every untied VLM whose tail unit accelerate leaves without a norm.
 TRL = trl.TARGETS
@@ -43,8 +54,10 @@ _TRL_DELETE = "when TRL reads lm_head.weight through FSDP (not plain full_tensor
 
 
 def _selection_patch(name, summary, model_types, extra=(), delete_when=_SELECTION_DELETE):
-    """A family whose problem is the wrap selection (plus ``extra`` targets)."""
-    return Patch(name, summary, model_types, WRAP_SELECTION + tuple(extra), _SELECTION_REFS, delete_when)
+    """A multimodal family whose problem is the wrap selection (plus ``extra`` targets, and torch's
+    accumulation fix)."""
+    return Patch(name, summary + _ACCUM_SYMPTOM, model_types, WRAP_SELECTION + tuple(extra) + GRAD_ACCUMULATION,
+                 _SELECTION_REFS + _ACCUM_REFS, delete_when + "; and " + _ACCUM_DELETE)
 
 
 PATCHES = (
@@ -54,40 +67,42 @@ PATCHES = (
         "vision `position_embedding` is read raw); with verl's `use_fused_kernels`, also its sharded `lm_head.weight` read; "
         "and verl's own GLM-4.1V forward fails outside transformers 5.0.0rc0-rc3 (`'BaseModelOutputWithPooling' object "
         "has no attribute 'shape'` on 5.x, a 3-vs-4 size mismatch on 4.x); "
-        + _TRL_SYMPTOM,
+        + _TRL_SYMPTOM + _ACCUM_SYMPTOM,
         model_types={"glm4v": "GLM-4.1V", "glm4v_moe": "GLM-4.5V", "glm46v": "GLM-4.6V"},
         # verl serves GLM-4.5V / GLM-4.6V (glm4v_moe) through dense_common's fused forward.
         # verl's own GLM-4.1V forward runs on the transformers verl admits only with GLM4V_FORWARD.
-        targets=WRAP_SELECTION + verl.GLM4V_FORWARD + verl.GLM4V_FUSED + verl.DENSE_FUSED + TRL,
-        references=_SELECTION_REFS + _LM_HEAD_REFS,
-        delete_when=_SELECTION_DELETE + "; and " + _LM_HEAD_DELETE + "; and " + _TRL_DELETE,
+        targets=WRAP_SELECTION + verl.GLM4V_FORWARD + verl.GLM4V_FUSED + verl.DENSE_FUSED + TRL + GRAD_ACCUMULATION,
+        references=_SELECTION_REFS + _LM_HEAD_REFS + _ACCUM_REFS,
+        delete_when=(_SELECTION_DELETE + "; and " + _LM_HEAD_DELETE + "; and " + _TRL_DELETE + "; and "
+                     + _ACCUM_DELETE),
     ),
     Patch(
         name="qwen3vl",
         summary="verl fused kernels: `aten.mm.default` mixed Tensor/DTensor (0.7.1-0.8.0); silently **unaveraged "
         "`lm_head` gradient** from plain `full_tensor()` (0.9.x), and with a bf16 policy a dtype-mismatch crash; "
-        + _TRL_SYMPTOM,
+        + _TRL_SYMPTOM + _ACCUM_SYMPTOM,
         model_types={"qwen3_vl": "Qwen3-VL", "qwen3_vl_moe": "Qwen3-VL-MoE"},
-        targets=verl.QWEN3_VL_FUSED + TRL,
-        references=_LM_HEAD_REFS,
-        delete_when=_LM_HEAD_DELETE + "; and " + _TRL_DELETE,
+        targets=verl.QWEN3_VL_FUSED + TRL + GRAD_ACCUMULATION,
+        references=_LM_HEAD_REFS + _ACCUM_REFS,
+        delete_when=_LM_HEAD_DELETE + "; and " + _TRL_DELETE + "; and " + _ACCUM_DELETE,
     ),
     Patch(
         name="qwen2vl",
         summary="verl fused kernels: `aten.mm.default` mixed Tensor/DTensor (the sharded `lm_head.weight` is read "
-        "raw); " + _TRL_SYMPTOM,
+        "raw); " + _TRL_SYMPTOM + _ACCUM_SYMPTOM,
         model_types={"qwen2_vl": "Qwen2-VL", "qwen2_5_vl": "Qwen2.5-VL"},
-        targets=verl.QWEN2_VL_FUSED + TRL,
-        references=_LM_HEAD_REFS,
-        delete_when=_LM_HEAD_DELETE + "; and " + _TRL_DELETE,
+        targets=verl.QWEN2_VL_FUSED + TRL + GRAD_ACCUMULATION,
+        references=_LM_HEAD_REFS + _ACCUM_REFS,
+        delete_when=_LM_HEAD_DELETE + "; and " + _TRL_DELETE + "; and " + _ACCUM_DELETE,
     ),
     Patch(
         name="qwen35",
-        summary="verl fused kernels: unaveraged `lm_head` gradient (plain `full_tensor()`); " + _TRL_SYMPTOM,
+        summary="verl fused kernels: unaveraged `lm_head` gradient (plain `full_tensor()`); " + _TRL_SYMPTOM
+        + _ACCUM_SYMPTOM,
         model_types={"qwen3_5": "Qwen3.5", "qwen3_5_moe": "Qwen3.5-MoE"},
-        targets=verl.QWEN3_5_FUSED + TRL,
-        references=_LM_HEAD_REFS,
-        delete_when=_LM_HEAD_DELETE + "; and " + _TRL_DELETE,
+        targets=verl.QWEN3_5_FUSED + TRL + GRAD_ACCUMULATION,
+        references=_LM_HEAD_REFS + _ACCUM_REFS,
+        delete_when=_LM_HEAD_DELETE + "; and " + _TRL_DELETE + "; and " + _ACCUM_DELETE,
     ),
     Patch(
         name="textlm",
@@ -126,10 +141,48 @@ PATCHES = (
     ),
     _selection_patch(
         "paddleocrvl",
-        "`aten.add.Tensor got mixed torch.Tensor and DTensor` (vision `position_embedding` read raw); " + _TRL_SYMPTOM,
+        "`aten.add.Tensor got mixed torch.Tensor and DTensor` (vision `position_embedding` read raw; transformers "
+        "< 5.15, from 5.15.0 it is called as a module); " + _TRL_SYMPTOM,
         {"paddleocr_vl": "PaddleOCR-VL"},
         TRL,
         _SELECTION_DELETE + "; and " + _TRL_DELETE,
+    ),
+    # Families new in transformers 5.1x (tiny models: fsdp2_compat/tooling/tiny/recent.py).
+    _selection_patch(
+        "hunyuanvl",
+        "`aten.add.Tensor got mixed torch.Tensor and DTensor` (untied checkpoints: the vision "
+        "`position_embedding.weight` is sliced raw in `interpolate_pos_encoding`)",
+        {"hunyuan_vl": "HunYuan-VL / HunyuanOCR"},
+    ),
+    _selection_patch(
+        "step3p7",
+        "`aten.add.Tensor got mixed torch.Tensor and DTensor` (the vision tower always interpolates its "
+        "`position_embedding.weight`); SkyRL cannot take its config at all (it reads a top-level "
+        "`tie_word_embeddings` the config class lacks: `AttributeError`, patched or not)",
+        {"step3p7": "Step-3.7"},
+    ),
+    _selection_patch(
+        "glmimage",
+        "wrap-time `RuntimeError: Cannot concatenate overlapping meshes` (the VQ codebook inside a layer class) "
+        "and, on one rank, `aten.grid_sampler_2d.default got mixed torch.Tensor and DTensor` (GLM4V-style "
+        "`position_embedding`)",
+        {"glm_image": "GLM-Image"},
+    ),
+    _selection_patch(
+        "cosmos3",
+        "`aten.add.Tensor got mixed torch.Tensor and DTensor` (SigLIP2-style vision `position_embedding` read raw)",
+        {"cosmos3_edge": "Cosmos-3 Edge"},
+    ),
+    _selection_patch(
+        "deepseekocr2",
+        "`aten.cat.default got mixed torch.Tensor and DTensor` (the vision encoder's query tables are read raw)",
+        {"deepseek_ocr2": "DeepSeek-OCR-2"},
+    ),
+    _selection_patch(
+        "chameleon",
+        "wrap-time `RuntimeError: Cannot concatenate overlapping meshes` (transformers 5.x: the VQ codebook "
+        "inside a layer class); on 4.57 `aten.add.Tensor got mixed torch.Tensor and DTensor` (the codebook read raw)",
+        {"chameleon": "Chameleon"},
     ),
 )
 

@@ -34,10 +34,14 @@ REFUSALS = (VERSION, DRIFTED, UNSUPPORTED)
 
 
 def diff_path(target, version):
-    """Repository path of the source diff equivalent to ``target`` for ``version``."""
+    """Repository path of the source diff equivalent to ``target`` for ``version``.
+
+    A local version label names a build, not other code: ``2.13.0+cpu`` uses
+    the ``2.13.0`` diffs.
+    """
     if not target.diff or not version:
         return None
-    return "patches/%s/%s/%s.diff" % (target.dist, version, target.diff)
+    return "patches/%s/%s/%s.diff" % (target.dist, version.split("+", 1)[0], target.diff)
 
 
 class Outcome:

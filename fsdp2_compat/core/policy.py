@@ -93,17 +93,18 @@ def judge(target, module, found, siblings, lookup, strict):
         return Verdict(None, NOT_NEEDED, "fixed upstream in %s %s" % (target.dist, target.fixed_in))
     label, fp = code_label(target, module, lookup)
     if label is None:
+        # Another layout of the same fix fits this code: that one applies (say so first).
+        for other in siblings:
+            other_label, _ = code_label(other, module, lookup)
+            if other_label is not None:
+                return Verdict(None, OTHER_SEAM, "%s %s uses the %s seam (code of the %s release)"
+                               % (target.dist, found, other.attr, other_label))
         reason = declared_reason(target, found)
         if reason is not None:
             return Verdict(None, NOT_NEEDED, "%s %s: %s" % (target.dist, found, reason))
         reason = unsupported_reason(target, found)
         if reason is not None:
             return Verdict(REFUSE, UNSUPPORTED, "%s %s: %s" % (target.dist, found, reason))
-        for other in siblings:
-            other_label, _ = code_label(other, module, lookup)
-            if other_label is not None:
-                return Verdict(None, OTHER_SEAM, "%s %s uses the %s seam (code of the %s release)"
-                               % (target.dist, found, other.attr, other_label))
         known = ", ".join("%s=%s" % kv for kv in target.fingerprints.items())
         if fp.startswith(("cannot verify", target.module)):
             detail = fp

@@ -106,12 +106,13 @@ class Patch:
 
 
 class Integration:
-    """One upstream framework distribution, as the tooling and the tests need to find it.
+    """One upstream distribution (a framework, or torch), as the tooling and the tests need to find it.
 
     dist         distribution name as pip knows it (``skyrl-train``)
     package      its top-level import package (``skyrl_train``), for reading wheels
     wrap_module  the module whose ``apply_fsdp2`` wraps a model for FSDP2; None when the
-                 framework leaves the wrapping to another package (TRL: accelerate)
+                 framework leaves the wrapping to another package (TRL: accelerate), and
+                 for torch (FSDP2 itself: patched, wrapping nothing)
     callers      modules that import a target by name (aliases the engine rebinds):
                  ``apply_fsdp2``, or TRL's ``add_fused_lm_head``
     """

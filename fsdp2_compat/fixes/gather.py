@@ -14,19 +14,40 @@ attribute.  Why this rather than ``full_tensor(grad_placements=Partial("avg"))``
 - the value is FSDP's own unsharded parameter, so it already has the
   mixed-precision ``param_dtype`` and lives on the compute device, and the
   all-gather moves ``param_dtype`` bytes (half of an fp32 ``full_tensor``);
-- the gradient lands on FSDP's unsharded parameter, and FSDP's root
-  post-backward callback (which runs ``post_backward`` for every group that
-  did not finish backward) reduce-scatters it with the unit's own settings:
+- the gradient lands on FSDP's unsharded parameter and is reduced by the
+  unit's own ``FSDPParamGroup.post_backward`` with the unit's own settings:
   average over every data-parallel mesh dimension (FSDP and HSDP alike),
   ``reduce_dtype``, gradient-accumulation and ``set_requires_gradient_sync``
   flags, CPU offload: the same reduction FSDP performs when the weight is
   used through ``owner(...)``;
 - nothing of upstream's math is re-implemented.
 
-The unit stays unsharded until that callback reshards it after backward,
-just as a unit whose forward ran with ``reshard_after_forward=False``.  When
-autograd is off (rollout log-probs under ``no_grad``), ``gathered`` reshards
-on exit instead.
+When that post-backward runs (the unit is released): as soon as the weight's
+gradient is complete, as FSDP does for ``owner(x)``.  There FSDP's
+``RegisterPostBackwardFunction`` calls ``post_backward`` once the module's
+backward is done; a raw read has no module inputs to hook, only the weight,
+and the exact analogue is ``AccumulateGrad`` of FSDP's unsharded parameter
+(``FSDPParam._unsharded_param``): it runs once per backward, after the
+gradients of every use of the weight in the graph are summed (a chunked head
+reading it N times included).  So a grad-enabled read marks the parameter
+pending for its group, and a ``register_post_accumulate_grad_hook`` on the
+unsharded parameter (registered once per ``FSDPParam``) clears the mark; when
+the group has no pending parameter left, and every trainable parameter of the
+group was read that way (a unit of its own: ``lm_head``) and its own forward
+did not run (the group is idle), the hook calls the group's
+``post_backward()``: reduce-scatter (HSDP all-reduce), reshard, or with sync
+deferred the reduce-dtype accumulation, all FSDP's code.  The unit is then
+released before the decoder layers' backward instead of after the whole
+backward: its unsharded weight and gradient are not held through it.  FSDP's
+root post-backward callback finds the group done and only resets it (and is
+still the fallback, as before this change, when the hook does not fire or
+does not release: a read autograd never uses, a frozen weight, a unit that
+also holds parameters used by module forwards, such as accelerate's tail unit
+with the final norm and ``lm_head``).  When autograd is off (rollout
+log-probs under ``no_grad``) nothing is marked and ``gathered`` reshards on
+exit.  Not supported, as before: a second backward through the same graph
+(``retain_graph=True``) after the unit was released; mixing ``owner(x)`` and
+a raw read of the same unit in one graph (unsafe in FSDP itself).
 
 Refused, with ``GatherError``: a sharded parameter whose module is not an
 FSDP2 unit, one that unit does not manage, and one that is still a DTensor
@@ -45,6 +66,16 @@ with an averaged gradient) in every release you run.
 """
 
 import contextlib
+import weakref
+
+# group -> ids of its FSDPParams read with autograd on whose gradient is not complete yet
+_PENDING = weakref.WeakKeyDictionary()
+# group -> ids of every FSDPParam read with autograd on since the group was last released
+_READ = weakref.WeakKeyDictionary()
+# FSDPParam -> (weak reference to the unsharded parameter the hook is on, hook handle)
+_HOOKED = weakref.WeakKeyDictionary()
+# how many units were released early by the hook (tests and benchmarks read it)
+STATS = {"early_releases": 0}
 
 
 class GatherError(RuntimeError):
@@ -57,6 +88,53 @@ def _is_dtensor(value):
     return isinstance(value, DTensor)
 
 
+def _groups(state):
+    groups = getattr(state, "_fsdp_param_groups", None)  # torch 2.13+: several per state
+    if groups is None:
+        groups = [state._fsdp_param_group] if state._fsdp_param_group is not None else []
+    return groups
+
+
+def _owning(owner, value):
+    """``(group, FSDPParam)`` of ``owner``'s FSDP2 state that manages the sharded ``value``."""
+    for group in _groups(owner._get_fsdp_state()):
+        for fsdp_param in group.fsdp_params:
+            if fsdp_param.sharded_param is value:
+                return group, fsdp_param
+    return None, None
+
+
+def _release_when_complete(group, fsdp_param):
+    """Arm the post-accumulate-grad hook of ``fsdp_param``'s unsharded parameter (once per object)."""
+    param = fsdp_param._unsharded_param
+    hooked = _HOOKED.get(fsdp_param)
+    if hooked is None or hooked[0]() is not param:
+        group_ref, fsdp_param_ref = weakref.ref(group), weakref.ref(fsdp_param)
+
+        def gradient_complete(_param):
+            g, fp = group_ref(), fsdp_param_ref()
+            pending = _PENDING.get(g) if g is not None else None
+            if not pending or fp is None or id(fp) not in pending:
+                return  # not read through gather_param in this graph: FSDP's own hooks own it
+            pending.discard(id(fp))
+            if pending:
+                return  # another gathered parameter of the group still owes its gradient
+            del _PENDING[g]
+            read = _READ.pop(g, set())
+            if g._training_state.name != "IDLE" or any(
+                    id(other) not in read and other.sharded_param.requires_grad for other in g.fsdp_params):
+                # The unit's own forward ran in this graph (FSDP's hooks own its post-backward), or it
+                # holds parameters used elsewhere (a tail unit with the final norm): releasing it now
+                # would free weights their backward still needs.  FSDP's root callback releases it.
+                return
+            STATS["early_releases"] += 1
+            g.post_backward()  # the call RegisterPostBackwardFunction makes for owner(x)
+
+        _HOOKED[fsdp_param] = (weakref.ref(param), param.register_post_accumulate_grad_hook(gradient_complete))
+    _PENDING.setdefault(group, set()).add(id(fsdp_param))
+    _READ.setdefault(group, set()).add(id(fsdp_param))
+
+
 def gather_param(owner, name="weight"):
     """Return ``getattr(owner, name)`` ready to use outside ``owner.forward``.
 
@@ -64,8 +142,11 @@ def gather_param(owner, name="weight"):
     untouched.  A sharded DTensor parameter of an FSDP2 unit is unsharded
     through FSDP (see the module docstring) and the full, ``param_dtype``
     tensor on the compute device is returned; its gradient reaches the shard
-    averaged over the data-parallel ranks.
+    averaged over the data-parallel ranks, and with autograd on the unit is
+    released as soon as that gradient is complete.
     """
+    import torch
+
     value = getattr(owner, name)
     if not _is_dtensor(value):
         return value
@@ -78,8 +159,8 @@ def gather_param(owner, name="weight"):
             "owner cannot be unsharded here; gather through the FSDP unit that owns it, "
             "or wrap the module that reads it." % (where, type(owner).__name__)
         )
-    group = owner._get_fsdp_state()._fsdp_param_group
-    if group is None or not any(fp.sharded_param is value for fp in group.fsdp_params):
+    group, fsdp_param = _owning(owner, value)
+    if group is None:
         raise GatherError(
             "%s is a DTensor that %s's own FSDP2 group does not manage (tensor "
             "parallel or another unit); fsdp2-compat only gathers FSDP-managed "
@@ -93,6 +174,8 @@ def gather_param(owner, name="weight"):
             "parallelism: placements %s); fsdp2-compat does not gather across "
             "tensor-parallel meshes." % (where, value.placements)
         )
+    if torch.is_grad_enabled() and value.requires_grad and value is fsdp_param._unsharded_param:
+        _release_when_complete(group, fsdp_param)
     return value
 
 
@@ -101,7 +184,8 @@ def gathered(owner, name="weight"):
     """``with gathered(model.lm_head): ...``: reads of ``owner.<name>`` inside see the full weight.
 
     Reshards on exit when autograd was off (no backward will); otherwise
-    FSDP's post-backward reshards after reducing the gradient.
+    the unit's own post-backward reduces the gradient and reshards, as soon
+    as the weight's gradient is complete (see the module docstring).
     """
     import torch
 

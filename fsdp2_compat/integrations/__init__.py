@@ -8,12 +8,14 @@ patches users name; ``INTEGRATIONS`` below is the one framework -> module map
 the tooling and the tests read.
 
 Adding a framework is one module here plus its targets in the registry.
+torch itself is an integration too (``torch_fsdp``: fixes inside FSDP2), but
+not a framework: it has no ``wrap_module`` (``wrapping()`` lists those that have one).
 """
 
-from . import areal, llamafactory, skyrl, trl, verl
+from . import areal, llamafactory, skyrl, torch_fsdp, trl, verl
 
 INTEGRATIONS = (verl.INTEGRATION, skyrl.SKYRL_INTEGRATION, skyrl.SKYRL_TRAIN_INTEGRATION, areal.INTEGRATION,
-                llamafactory.INTEGRATION, trl.INTEGRATION)
+                llamafactory.INTEGRATION, trl.INTEGRATION, torch_fsdp.INTEGRATION)
 
 _BY_DIST = {i.dist: i for i in INTEGRATIONS}
 

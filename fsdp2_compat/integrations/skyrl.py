@@ -1,8 +1,10 @@
 """SkyRL: the FSDP2 wrap selection, inline in ``apply_fsdp2`` in every release.
 
 Two distributions ship the same code under different module paths:
-- ``skyrl`` 0.1.0-0.3.0: ``skyrl.backends.skyrl_train.distributed.fsdp_utils``
-- ``skyrl-train`` 0.1.0-0.3.1: ``skyrl_train.distributed.fsdp_utils``
+- ``skyrl`` 0.1.0-0.4.0: ``skyrl.backends.skyrl_train.distributed.fsdp_utils``
+  (0.4.0's file is byte-identical to 0.3.0's; 0.0.1 is a placeholder without it)
+- ``skyrl-train`` 0.1.0-0.3.1: ``skyrl_train.distributed.fsdp_utils`` (the same
+  code as verl 0.4.0-0.5.0's inline loop: one fingerprint)
 ``fsdp_strategy`` imports ``apply_fsdp2`` by name; the engine rebinds it.
 
 The fix upstream is SkyRL PR #2088 (issue #2087), not in any release yet.
@@ -32,11 +34,12 @@ SKYRL = Target(
     dist="skyrl",
     module=SKYRL_INTEGRATION.wrap_module,
     attr="apply_fsdp2",
-    versions=">=0.1.0,<=0.3.0",
-    fingerprints={"0.1.0": "260e89f6d23e4b6c", "0.2.0-0.3.0": "9414d8830a5b5ef4"},
+    versions=">=0.1.0,<=0.4.0",
+    fingerprints={"0.1.0": "260e89f6d23e4b6c", "0.2.0-0.4.0": "9414d8830a5b5ef4"},
     seam="fsdp2_compat.fixes.inline_selection:seam",
     what="FSDP2 wrap selection (inline loop)",
     diff="wrap-selection",
+    declared={"<0.1.0": "0.0.1 is a 1 KB placeholder: no skyrl.backends, nothing to patch"},
 )
 
 SKYRL_TRAIN = Target(

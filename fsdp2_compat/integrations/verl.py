@@ -50,6 +50,10 @@ WRAP_SELECTION_INLINE = Target(
     seam="fsdp2_compat.fixes.inline_selection:seam",
     what="FSDP2 wrap selection (inline loop)",
     diff="wrap-selection",
+    declared={
+        "<0.4.0": "FSDP1 only: fsdp_utils has no apply_fsdp2",
+        ">=0.7.1": "apply_fsdp2 calls _select_fsdp2_wrap_targets (the WRAP_SELECTION target)",
+    },
 )
 
 WRAP_SELECTION = Target(
@@ -61,6 +65,7 @@ WRAP_SELECTION = Target(
     seam="fsdp2_compat.integrations.verl:selection_seam",
     what="FSDP2 wrap selection",
     diff="wrap-selection",
+    declared={"<0.7.1": "the selection is inline in apply_fsdp2 (the WRAP_SELECTION_INLINE target)"},
 )
 
 # verl 0.7.1+ also gives ``embed_tokens`` / ``lm_head`` their own groups by
@@ -140,6 +145,18 @@ GLM4V_FORWARD = (
 _READER = "fsdp2_compat.fixes.gather:lm_head_reader_seam"
 
 
+# Releases without the module (or whose module lost the forward), per verl model module.
+_FUSED_DECLARED = {
+    "qwen3_vl": {"<0.6.0": "no verl.models.transformers.qwen3_vl module"},
+    "glm4v": {"<0.6.0": "no verl.models.transformers.glm4v module"},
+    "qwen2_vl": {"<0.4.1": "no fused forwards before 0.4.1"},
+    "qwen2_5_vl": {"<0.4.1": "no fused forwards before 0.4.1",
+                   ">=0.6.0": "Qwen2.5-VL is served by the qwen2_vl module"},
+    "dense_common": {"<0.4.1": "no verl.models.transformers.dense_common module"},
+    "qwen3_5": {"<0.8.0.dev0": "no verl.models.transformers.qwen3_5 module"},
+}
+
+
 def _fused(model_module, backend, versions, fingerprints):
     return Target(
         dist="verl",
@@ -150,31 +167,35 @@ def _fused(model_module, backend, versions, fingerprints):
         seam=_READER,
         what="fused forward reads lm_head.weight (%s backend)" % backend,
         diff="%s-lm-head" % model_module,
+        declared=_FUSED_DECLARED[model_module],
     )
+
+
+# Labels start at 0.8.0.dev0 where that pre-release on PyPI has 0.8.0's code.
 
 
 QWEN3_VL_FUSED = (
     _fused("qwen3_vl", "torch", ">=0.6.0,<=0.9.1", {
         "0.6.0-0.7.1": "e6ea5557d4a41547",
-        "0.8.0": "ee4406373c544b20",
+        "0.8.0.dev0-0.8.0": "ee4406373c544b20",
         "0.9.0": "c4f71fadc8932585",
         "0.9.1": "52f8d02f0867bac8",
     }),
     _fused("qwen3_vl", "triton", ">=0.6.0,<=0.9.1", {
         "0.6.0-0.7.1": "d0bb3c5ea475719e",
-        "0.8.0-0.9.1": "df840afb97131c82",
+        "0.8.0.dev0-0.9.1": "df840afb97131c82",
     }),
 )
 
 GLM4V_FUSED = (
     _fused("glm4v", "torch", ">=0.6.0,<=0.9.1", {
         "0.6.0-0.7.1": "603f0ce55900fffa",
-        "0.8.0-0.9.0": "f488ad4f247f515f",
+        "0.8.0.dev0-0.9.0": "f488ad4f247f515f",
         "0.9.1": "bb84718af5f176ca",
     }),
     _fused("glm4v", "triton", ">=0.6.0,<=0.9.1", {
         "0.6.0-0.7.1": "0b726f2f4793bbb6",
-        "0.8.0-0.9.1": "dcef062f8a09c0a1",
+        "0.8.0.dev0-0.9.1": "dcef062f8a09c0a1",
     }),
 )
 
@@ -183,14 +204,14 @@ QWEN2_VL_FUSED = (
         "0.4.1": "1c7d5a1aacf6e489",
         "0.5.0": "f7638957d8603682",
         "0.6.0-0.7.1": "50c009c81d7a3b5d",
-        "0.8.0-0.9.0": "038571ae2e42eb92",
+        "0.8.0.dev0-0.9.0": "038571ae2e42eb92",
         "0.9.1": "5c5de580e35d5f03",
     }),
     _fused("qwen2_vl", "triton", ">=0.4.1,<=0.9.1", {
         "0.4.1": "0215a5a95618f897",
         "0.5.0": "ed6cfe5f68e1b2df",
         "0.6.0-0.7.1": "30cd41ff9bb24d63",
-        "0.8.0-0.9.1": "177192f600f209b0",
+        "0.8.0.dev0-0.9.1": "177192f600f209b0",
     }),
     # Before 0.6.0 Qwen2.5-VL had a module of its own.
     _fused("qwen2_5_vl", "torch", ">=0.4.1,<0.6.0", {"0.4.1": "ae4fafb6bb3cc703", "0.5.0": "536ed3517486ffd6"}),
@@ -201,24 +222,24 @@ DENSE_FUSED = (
     _fused("dense_common", "torch", ">=0.4.1,<=0.9.1", {
         "0.4.1": "9318d4277933edfb",
         "0.5.0-0.7.1": "c2d6c1e04d49c872",
-        "0.8.0-0.9.0": "d15e06a479f4e49e",
+        "0.8.0.dev0-0.9.0": "d15e06a479f4e49e",
         "0.9.1": "dc446b0fdc12cc42",
     }),
     _fused("dense_common", "triton", ">=0.4.1,<=0.9.1", {
         "0.4.1": "766a8ad945249975",
         "0.5.0-0.7.1": "c0489709bab6fbbd",
-        "0.8.0-0.9.1": "5769699326e173d2",
+        "0.8.0.dev0-0.9.1": "5769699326e173d2",
     }),
 )
 
 QWEN3_5_FUSED = (
-    _fused("qwen3_5", "torch", ">=0.8.0,<=0.9.1", {
-        "0.8.0": "d8fbabf7125cb384",
+    _fused("qwen3_5", "torch", ">=0.8.0.dev0,<=0.9.1", {
+        "0.8.0.dev0-0.8.0": "d8fbabf7125cb384",
         "0.9.0": "43c9d0c701f0e117",
         "0.9.1": "c575d244ecbc0505",
     }),
-    _fused("qwen3_5", "triton", ">=0.8.0,<=0.9.1", {
-        "0.8.0": "13a26f0a2447e294",
+    _fused("qwen3_5", "triton", ">=0.8.0.dev0,<=0.9.1", {
+        "0.8.0.dev0-0.8.0": "13a26f0a2447e294",
         "0.9.0-0.9.1": "86ad9675412832a6",
     }),
 )

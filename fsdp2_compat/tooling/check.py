@@ -330,6 +330,13 @@ def run_checks(families=None, frameworks=None, progress=None):
             if progress:
                 progress("[%d/%d] %s %s: %s (%s)" % (i, len(cases), framework, version, family, kind))
             if kind == "selection":
+                from . import tiny
+
+                refusal = scenarios.tie_flag_refusal(framework, tiny.quiet(tiny.tiny_config, family, False))
+                if refusal is not None:  # upstream cannot take this config at all, patched or not
+                    rows.append(dict(_row(framework, version, family, patch, kind, {"error": refusal}, {"error": "-"}),
+                                     fixed=None))
+                    continue
                 unpatched = _run(scenarios.train, framework, family, None, steps=1)
                 patched = _run(scenarios.train, framework, family, patch, steps=1)
             elif kind == "fused forward":
@@ -420,7 +427,7 @@ def main(args):
         return 0
     print(format_rows(rows))
     skipped = sum(r["fixed"] is None for r in rows)
-    print("%d cases, %d not fixed, %d frameworks not importable, %.1f s" % (
+    print("%d cases, %d not fixed, %d not applicable (framework not importable, or it refuses the config), %.1f s" % (
         len(rows) - skipped, len(failed), skipped, time.time() - start))
     if any(r["kind"] in ("fused, 2 ranks", TRL_KIND) for r in rows):
         print("note: '2 ranks' rows train on two gloo ranks with different data and compare the "

@@ -71,11 +71,19 @@ def import_fsdp_utils(framework):
 
 
 def ensure_skyrl_backends_package():
-    """Make ``skyrl.backends`` importable on Python < 3.12 (see ``import_fsdp_utils``)."""
+    """Make ``skyrl.backends`` importable on Python < 3.12 (see ``import_fsdp_utils``).
+
+    On 3.12+ it is a plain import: the released ``__init__`` runs, and any error
+    it raises is upstream's.  Below 3.12 only pydantic's ``typed-dict-version``
+    error selects the workaround.
+    """
     import os
     import types
 
     if "skyrl.backends" in sys.modules:
+        return
+    if sys.version_info >= (3, 12):
+        importlib.import_module("skyrl.backends")
         return
     try:
         importlib.import_module("skyrl.backends")

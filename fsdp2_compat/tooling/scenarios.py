@@ -23,6 +23,26 @@ import warnings
 from .frameworks import ensure_skyrl_backends_package, import_fsdp_utils  # noqa: F401  (re-exported)
 
 
+def tie_flag_refusal(framework, config):
+    """Why ``framework``'s ``apply_fsdp2`` refuses a model with this config, patched or not, or None.
+
+    SkyRL and skyrl-train (every release) and verl < 0.7.1 select with
+    ``model.config.tie_word_embeddings`` read without a default (verl 0.7.1+
+    uses ``getattr(..., False)``); a config class without that top-level
+    attribute (Step-3.7) makes them raise ``AttributeError`` before anything
+    is sharded.  Our patch keeps upstream's loop, so it cannot change that.
+    """
+    from fsdp2_compat.core import guards
+
+    if hasattr(config, "tie_word_embeddings"):
+        return None
+    version = guards.installed_version(framework)
+    if framework == "verl" and (version is None or guards.in_range(version, ">=0.7.1")):
+        return None
+    return ("%s %s reads model.config.tie_word_embeddings without a default and %s has no top-level "
+            "tie_word_embeddings: AttributeError in apply_fsdp2, patched or not" % (framework, version, type(config).__name__))
+
+
 def first_line(exc):
     """The first line of an exception's message (the part a table can show)."""
     text = str(exc).strip()
@@ -132,14 +152,17 @@ def _compare_grads(model, reference, result):
                 result["grad_rel_to_max"], result["worst_rel_to_max"] = rel, name
 
 
-def train(rank, world, framework, family, patches, steps=2, tie=False, lr=0.05, lora=False):
+def train(rank, world, framework, family, patches, steps=2, tie=False, lr=0.05, lora=False, config_attrs=None):
     """One scenario on this rank; see the module docstring for the result.
 
     The model is sharded through the framework's own entry point
     (``frameworks.shard``: ``apply_fsdp2``, AReaL's ``parallelize_model``,
     LLaMA-Factory's ``FSDP2Engine.prepare_model``).  ``tie``: as for
     ``tiny_models.build`` (False, True or ``"weights-only"``); ``lora``: wrap
-    the model in a peft LoRA model first (``with_lora``).
+    the model in a peft LoRA model first (``with_lora``); ``config_attrs``:
+    attributes set on ``model.config`` after the build, as a config.json
+    carrying those keys would give them (e.g. a top-level
+    ``tie_word_embeddings`` that the config class does not declare).
     """
     import copy
 
@@ -151,6 +174,8 @@ def train(rank, world, framework, family, patches, steps=2, tie=False, lr=0.05, 
     import_fsdp_utils(framework)
 
     model = tiny_models.build(family, tie=tie, seed=0)
+    for key, value in (config_attrs or {}).items():
+        setattr(model.config, key, value)
     if lora:
         model = with_lora(model)
     reference = copy.deepcopy(model)

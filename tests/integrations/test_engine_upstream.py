@@ -258,7 +258,9 @@ def test_status_cli_reports_the_applied_patch_as_json(python):
     assert verl_rows[target.key]["found"] == VERL
     others = [r for k, r in verl_rows.items() if k != target.key and r["module"] == target.module]
     assert others
-    assert all(r["outcome"] == "other seam" for r in others)
+    # The sibling layout: the other seam, named (the catalogue checks layouts before declarations).
+    for r in others:
+        assert r["outcome"] == "other seam" and target.attr in r["detail"], r
 
 
 def test_status_shows_glm4v_applied_for_every_installed_framework(python):
@@ -299,4 +301,9 @@ def test_status_shows_qwen3vl_applied_on_the_installed_verl(python):
     assert {r["attr"]: r["outcome"] for r in rows if r["dist"] == "verl"} == {
         "forward_with_torch_backend": engine.APPLIED,
         "forward_with_triton_backend": engine.APPLIED,
+    }
+    # and torch FSDP2's gradient-accumulation fix, which every multimodal patch carries
+    assert {r["attr"]: r["outcome"] for r in rows if r["dist"] == "torch"} == {
+        "FSDPParam.to_accumulated_grad_if_needed": engine.APPLIED,
+        "FSDPParamGroup.post_backward": engine.APPLIED,
     }

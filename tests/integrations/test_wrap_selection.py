@@ -12,6 +12,11 @@ creates.  For every framework release installed in this pinned set:
 - the set of FSDP units differs from upstream's only by auxiliary embeddings
   (LLaMA-Factory: and by the units of the one layer class its lookup picks from
   a list, which the patch restores on transformers 5.x).
+
+Where upstream itself changed: PaddleOCR-VL reads no weight raw from
+transformers 5.15.0 (it then trains unpatched: proven too), and SkyRL cannot
+take a Step-3.7 config at all (no top-level ``tie_word_embeddings``, patched or
+not: proven, then skipped with that reason).
 """
 
 import re
@@ -25,7 +30,7 @@ from fsdp2_compat import integrations, registry  # noqa: E402
 from fsdp2_compat.core import guards  # noqa: E402
 from fsdp2_compat.tooling import tiny as tiny_models  # noqa: E402
 from fsdp2_compat.tooling.ranks import run_ranks  # noqa: E402
-from fsdp2_compat.tooling.scenarios import train  # noqa: E402
+from fsdp2_compat.tooling.scenarios import tie_flag_refusal, train  # noqa: E402
 from support.rank_jobs import train_families, wrap_plans  # noqa: E402
 
 FRAMEWORKS = [
@@ -49,7 +54,15 @@ UPSTREAM_FAILURE = {
     "qwen2_audio": NESTED + "|" + MIXED,
     "voxtral": r"^step 0: RuntimeError: aten.add.Tensor " + MIXED,
     "audioflamingo3": NESTED + "|" + MIXED,
-    "paddleocr_vl": r"^step 0: RuntimeError: aten.add.Tensor " + MIXED,
+    "paddleocr_vl": r"^step 0: RuntimeError: aten.add.Tensor " + MIXED,  # transformers < 5.15
+    "hunyuan_vl": r"^step 0: RuntimeError: aten.add.Tensor " + MIXED,
+    "step3p7": r"^step 0: RuntimeError: aten.add.Tensor " + MIXED,
+    # the VQ codebook (an nn.Embedding) inside a layer class (the quantizer)
+    "glm_image": NESTED,
+    "cosmos3_edge": r"^step 0: RuntimeError: aten.add.Tensor " + MIXED,
+    "deepseek_ocr2": r"^step 0: RuntimeError: aten.cat.default " + MIXED,
+    # transformers 5.x: as GLM-Image; 4.57 lists no quantizer layer class, and its codebook read crashes
+    "chameleon": NESTED + "|" + r"^step 0: RuntimeError: aten.add.Tensor " + MIXED,
 }
 PATCH_OF = registry.selection_model_types()
 RAW_READ_FAMILIES = [f for f in PATCH_OF if f in tiny_models.FAMILIES]
@@ -61,18 +74,14 @@ def family_param(family):
     return pytest.param(family, marks=pytest.mark.skipif(reason is not True, reason=str(reason)))
 
 
-@pytest.mark.parametrize("framework", FRAMEWORKS)
-@pytest.mark.parametrize("family", [family_param(f) for f in RAW_READ_FAMILIES])
-def test_unpatched_first_forward_raises_mixed_tensor_error(framework, family):
-    result = run_ranks(train, 2, framework, family, None)[0]
-    assert result["error"] is not None, "upstream %s did not crash on %s: the patch would be pointless" % (framework, family)
-    assert re.search(UPSTREAM_FAILURE[family], result["error"]), result["error"]
+def skip_if_framework_refuses(framework, family):
+    """The framework cannot take this family's config at all (proven below): skip with the reason."""
+    reason = tie_flag_refusal(framework, tiny_models.quiet(tiny_models.tiny_config, family, False))
+    if reason is not None:
+        pytest.skip(reason)
 
 
-@pytest.mark.parametrize("framework", FRAMEWORKS)
-@pytest.mark.parametrize("family", [family_param(f) for f in RAW_READ_FAMILIES])
-def test_patched_two_ranks_match_the_data_parallel_reference(framework, family):
-    results = run_ranks(train, 2, framework, family, PATCH_OF[family])
+def assert_matches_the_reference(results):
     for rank, result in enumerate(results):
         assert result["error"] is None, "rank %d: %s" % (rank, result["error"])
         assert result["grads_checked"] > 0
@@ -84,10 +93,63 @@ def test_patched_two_ranks_match_the_data_parallel_reference(framework, family):
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize("family", [family_param(f) for f in RAW_READ_FAMILIES])
+def test_unpatched_first_forward_raises_mixed_tensor_error(framework, family):
+    skip_if_framework_refuses(framework, family)
+    removed = tiny_models.raw_read_removed(family)
+    if removed is not None:
+        pytest.skip(removed + " (test_unpatched_trains_where_transformers_removed_the_raw_read)")
+    result = run_ranks(train, 2, framework, family, None)[0]
+    assert result["error"] is not None, "upstream %s did not crash on %s: the patch would be pointless" % (framework, family)
+    assert re.search(UPSTREAM_FAILURE[family], result["error"]), result["error"]
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize("family", [family_param(f) for f in RAW_READ_FAMILIES])
+def test_patched_two_ranks_match_the_data_parallel_reference(framework, family):
+    skip_if_framework_refuses(framework, family)
+    assert_matches_the_reference(run_ranks(train, 2, framework, family, PATCH_OF[family]))
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize("family", [family_param(f) for f in RAW_READ_FAMILIES if f in tiny_models.RAW_READ_REMOVED])
+def test_unpatched_trains_where_transformers_removed_the_raw_read(framework, family):
+    """PaddleOCR-VL from transformers 5.15.0: upstream's plan is right, the patch is not needed."""
+    removed = tiny_models.raw_read_removed(family)
+    if removed is None:
+        pytest.skip("this transformers still reads %s's embedding weight raw" % family)
+    assert_matches_the_reference(run_ranks(train, 2, framework, family, None))
+
+
+STEP3P7 = tiny_models.available("step3p7")
+SKYRL_LOOPS = [
+    pytest.param(d, marks=pytest.mark.skipif(guards.installed_version(d) is None, reason="%s not in this pinned set" % d))
+    for d in ("skyrl", "skyrl-train")
+]
+
+
+@pytest.mark.skipif(STEP3P7 is not True, reason=str(STEP3P7))
+@pytest.mark.parametrize("framework", SKYRL_LOOPS)
+def test_skyrl_refuses_a_config_without_a_top_level_tie_flag_patched_or_not(framework):
+    """Step-3.7's config class has no top-level tie_word_embeddings; SkyRL's loop reads it without a default.
+    With the key present (a config.json that carries it), the fix is what makes it train."""
+    assert tie_flag_refusal(framework, tiny_models.quiet(tiny_models.tiny_config, "step3p7", False))
+    missing = r"^apply_fsdp2: AttributeError: 'Step3p7Config' object has no attribute 'tie_word_embeddings'"
+    for patches in (None, PATCH_OF["step3p7"]):
+        [result] = run_ranks(train, 1, framework, "step3p7", patches)
+        assert re.search(missing, result["error"] or ""), (patches, result["error"])
+    flag = {"config_attrs": {"tie_word_embeddings": False}}
+    unpatched = run_ranks(train, 2, framework, "step3p7", None, kwargs=flag)[0]
+    assert re.search(UPSTREAM_FAILURE["step3p7"], unpatched["error"] or ""), unpatched["error"]
+    assert_matches_the_reference(run_ranks(train, 2, framework, "step3p7", PATCH_OF["step3p7"], kwargs=flag))
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_one_rank_crashes_unpatched_on_glm4v_and_matches_the_reference_patched(framework):
     """One rank (no data-parallel average to miss): the same GLM4V error, and every patched
     family trains like the unsharded model."""
-    families = [f for f in RAW_READ_FAMILIES if tiny_models.wrappable(f) is True] + ["qwen2"]
+    families = [f for f in RAW_READ_FAMILIES if tiny_models.wrappable(f) is True
+                and tie_flag_refusal(framework, tiny_models.quiet(tiny_models.tiny_config, f, False)) is None] + ["qwen2"]
     [runs] = run_ranks(train_families, 1, framework, families, dict(PATCH_OF, qwen2="glm4v"))
     for family in ("glm4v", "glm4v_moe", "glm46v"):
         if family in runs:
@@ -113,7 +175,9 @@ def test_every_tiny_family_with_a_selection_patch_has_a_recorded_upstream_failur
 def test_patched_plan_differs_from_upstream_only_by_auxiliary_embeddings(framework):
     """Text models and Qwen2.5-VL: identical.  Others: minus the auxiliary
     embeddings (and layer classes nested inside a kept unit)."""
-    families = [f for f in CONTROL_FAMILIES + ["qwen3_vl"] + RAW_READ_FAMILIES if tiny_models.wrappable(f) is True]
+    config = lambda f: tiny_models.quiet(tiny_models.tiny_config, f, False)  # noqa: E731
+    families = [f for f in CONTROL_FAMILIES + ["qwen3_vl"] + RAW_READ_FAMILIES
+                if tiny_models.wrappable(f) is True and tie_flag_refusal(framework, config(f)) is None]
     [plans] = run_ranks(wrap_plans, 1, framework, families, "glm4v")
     for family, plan in plans.items():
         patched = set(plan["patched"])

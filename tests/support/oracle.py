@@ -36,7 +36,7 @@ def wrap_units(rank, world, framework, families, tree=None, patches=None, unpatc
     ``unpatched``: families whose plan is also recorded before the runtime
     patches are applied (to show the comparison can tell fix from upstream).
     Returns ``{"units": {"<family>/<tie variant>": [...] or "error: ..."}, "unpatched": {...},
-    "mode": {...}}`` (tie variants: ``TIE_VARIANTS``).
+    "mode": {...}}`` (tie variants: ``tie_variants(family)``).
     """
     import fsdp2_compat
     from fsdp2_compat.tooling import frameworks, tiny as tiny_models
@@ -47,7 +47,7 @@ def wrap_units(rank, world, framework, families, tree=None, patches=None, unpatc
     def plan(families):
         out = {}
         for family in families:
-            for tie in TIE_VARIANTS:
+            for tie in tie_variants(family):
                 model = tiny_models.build(family, tie=_TIE_ARG[tie])
                 key = "%s/%s" % (family, tie)
                 try:
@@ -68,6 +68,14 @@ def wrap_units(rank, world, framework, families, tree=None, patches=None, unpatc
 # variant label -> tiny_models.build(tie=...)
 _TIE_ARG = {"untied": False, "tied": True, "tied-weights-only": "weights-only"}
 TIE_VARIANTS = tuple(_TIE_ARG)
+
+
+def tie_variants(family):
+    """The variants ``family`` can be built in here: untied only where transformers cannot tie it
+    (``tiny.tieable``: e.g. Qwen2-Audio from transformers 5.10, GLM-Image)."""
+    from fsdp2_compat.tooling import tiny as tiny_models
+
+    return TIE_VARIANTS if tiny_models.tieable(family) is True else ("untied",)
 
 
 # verl model module -> module-level function its fused forwards call for the

@@ -76,7 +76,9 @@ def _shrink(d, top=True):
             d[k] = 2
             new_layers = 2
     for k, v in list(d.items()):
-        if isinstance(v, dict) and k.endswith("_config"):
+        if new_layers and isinstance(v, dict) and v and all(str(i).isdigit() for i in v):
+            d[k] = {i: x for i, x in v.items() if int(i) < new_layers}  # per-layer overrides by index
+        elif isinstance(v, dict) and k.endswith("_config"):
             _shrink(v, top=False)
         elif k in _FIXED and isinstance(v, int) and v > 0:
             d[k] = _FIXED[k]
@@ -209,10 +211,20 @@ def build_inputs(args):
             _apply_sets(config, sets)
             model = _instantiate(getattr(transformers, tiny_models.CLASSES[family][0]), config)
             return model, tiny_models.make_batch(family, model, seed=0), args.config, notes
-        config = cfg_cls.from_dict(_shrink(cfg_cls().to_dict()))
+        try:
+            config = tiny_models.quiet(cfg_cls.from_dict, _shrink(cfg_cls().to_dict()))
+        except Exception as exc:  # noqa: BLE001 - the class's own validation
+            raise AuditInputError("--config %s: its default config, shrunk to tiny size, does not build (%s: %s); "
+                                  "use --config-json with a config.json that does" % (
+                                      args.config, type(exc).__name__, _first(exc))) from None
         _apply_sets(config, sets)
         return _generic(config, args.config, notes)
     return _from_json(args.config_json, sets, args.tie, notes)
+
+
+def _first(exc):
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
 
 
 def _instantiate(cls, config):

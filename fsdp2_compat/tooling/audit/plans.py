@@ -51,7 +51,7 @@ def _verl_selection(model, layer_classes):
     import torch.nn as nn
 
     # verl 0.4.0-0.7.0: the inline loop of apply_fsdp2, reproduced.
-    tie = model.config.tie_word_embeddings
+    tie = _tie_flag(model, "verl %s's apply_fsdp2" % version)
     chosen = [
         m for _, m in model.named_modules()
         if type(m).__name__ in layer_classes or (isinstance(m, nn.Embedding) and not tie)
@@ -59,11 +59,22 @@ def _verl_selection(model, layer_classes):
     return chosen, "verl %s inline apply_fsdp2 rule" % version
 
 
+def _tie_flag(model, who):
+    """``model.config.tie_word_embeddings``, read as upstream reads it (no default)."""
+    if not hasattr(model.config, "tie_word_embeddings"):
+        raise AuditInputError(
+            "%s reads model.config.tie_word_embeddings without a default, and this %s has no top-level "
+            "tie_word_embeddings: upstream raises AttributeError before sharding anything (not an FSDP2 "
+            "hazard; no patch changes it). A config.json that carries the key (--config-json) gets past it"
+            % (who, type(model.config).__name__))
+    return model.config.tie_word_embeddings
+
+
 def _skyrl_selection(model, layer_classes):
     """SkyRL / skyrl-train (every release): layer classes, plus every nn.Embedding when untied by config."""
     import torch.nn as nn
 
-    tie = model.config.tie_word_embeddings  # upstream reads it without a default
+    tie = _tie_flag(model, "SkyRL's apply_fsdp2")
     return [
         m for _, m in model.named_modules()
         if type(m).__name__ in layer_classes or (isinstance(m, nn.Embedding) and not tie)

@@ -14,6 +14,8 @@ API::
     FAMILIES                        # tuple of family names
     available(family)               # True, or a reason string
     wrappable(family)               # also: verl / SkyRL accept its layer classes
+    tieable(family)                 # also: tie_word_embeddings=True really ties its embeddings
+    raw_read_removed(family)        # None, or why this transformers no longer reads it raw
     build(family, tie=False, seed=0)  # fp32 CPU model in train mode
     make_batch(family, model, seed=..., batch_size=2)  # kwargs for model(**batch)
 
@@ -32,15 +34,27 @@ glm4v*/glm46v ``aten.grid_sampler_2d``; paddleocr_vl, qwen2_audio, voxtral,
 audioflamingo3 ``aten.add.Tensor``; lfm2_vl ``aten.copy_`` (on 5.x only when
 wrapped children-first: 5.x lists ``Siglip2VisionEmbeddings`` itself as a
 no-split class).  ``glm46v``, ``paddleocr_vl`` and ``audioflamingo3`` need
-transformers 5.x; ``available()`` says so on 4.x.
+transformers 5.x; ``available()`` says so on 4.x.  From transformers 5.15.0
+PaddleOCR-VL calls its ``position_embedding`` as a module (no raw read).
+
+Families new in transformers 5.1x (hunyuan_vl, step3p7, glm_image,
+cosmos3_edge, deepseek_ocr2, chameleon) are in ``recent``, with where each
+reads an embedding's weight raw.
+
+Tying: from transformers 5.10 the ``*ForConditionalGeneration`` classes of
+qwen2_audio, voxtral and audioflamingo3 hold their own ``lm_head`` and declare
+no tied-weight keys, so ``tie_word_embeddings=True`` ties nothing there (real
+checkpoints of these classes cannot be tied either); ``tieable()`` says where.
 """
 
 from __future__ import annotations
 
+from . import recent
 from .batches import make_batch
 from .configs import CLASSES, FAMILIES, tiny_config
 
-__all__ = ["FAMILIES", "CLASSES", "available", "wrappable", "build", "make_batch", "tiny_config", "quiet"]
+__all__ = ["FAMILIES", "CLASSES", "available", "wrappable", "tieable", "raw_read_removed", "build", "make_batch",
+           "tiny_config", "quiet"]
 
 
 def available(family: str) -> bool | str:
@@ -53,6 +67,13 @@ def available(family: str) -> bool | str:
     missing = [n for n in (model_cls, config_cls) if not hasattr(transformers, n)]
     if missing:
         return f"transformers {transformers.__version__} has no {' / '.join(missing)}"
+    if family in recent.MIN_TRANSFORMERS:
+        from packaging.version import Version
+
+        first = recent.MIN_TRANSFORMERS[family]
+        if Version(transformers.__version__) < Version(first):
+            return f"the tiny {family} config and batch are written for transformers >= {first} " \
+                   f"(found {transformers.__version__})"
     return True
 
 
@@ -72,6 +93,50 @@ def wrappable(family: str) -> bool | str:
             reason = "%s has an empty _no_split_modules in this transformers: upstream refuses it" % family
         _WRAPPABLE[family] = reason
     return _WRAPPABLE[family]
+
+
+# Families whose raw read the installed transformers may no longer have:
+# {family: (first release without it, what changed)}.
+RAW_READ_REMOVED = {
+    "paddleocr_vl": ("5.15.0", "PaddleOCRVisionEmbeddings calls its position_embedding as a module"),
+}
+
+
+def raw_read_removed(family: str):
+    """A reason when the installed transformers no longer reads ``family``'s auxiliary embedding
+    weight raw (so upstream FSDP2 does not crash on it), else None."""
+    if family not in RAW_READ_REMOVED:
+        return None
+    import transformers
+    from packaging.version import Version
+
+    first, what = RAW_READ_REMOVED[family]
+    if Version(transformers.__version__) >= Version(first):
+        return "transformers %s: %s (from %s): no raw read left" % (transformers.__version__, what, first)
+    return None
+
+
+_TIEABLE: dict = {}
+
+
+def tieable(family: str) -> bool | str:
+    """True when ``tie_word_embeddings=True`` makes ``family``'s input and output embeddings
+    one weight in the installed transformers, else a reason.  Cached: it builds the model once."""
+    if family not in _TIEABLE:
+        reason = available(family)
+        if reason is True:
+            model = _construct(family, True, 0)
+            if model.get_input_embeddings().weight is not model.get_output_embeddings().weight:
+                import transformers
+
+                why = ("its config class has no top-level tie_word_embeddings"
+                       if not hasattr(model.config, "tie_word_embeddings") else
+                       "%s declares _tied_weights_keys=%r" % (type(model).__name__,
+                                                              getattr(type(model), "_tied_weights_keys", None)))
+                reason = "%s: tie_word_embeddings=True does not tie its embeddings in transformers %s (%s)" % (
+                    family, transformers.__version__, why)
+        _TIEABLE[family] = reason
+    return _TIEABLE[family]
 
 
 def _require(family: str) -> None:
@@ -96,26 +161,22 @@ def quiet(fn, *args):
 def build(family: str, *, tie: bool | str = False, seed: int = 0):
     """Tiny fp32 CPU model of ``family`` in train mode, weights from ``seed``.
 
-    ``tie``: False (untied), True (tied, flags agree), or ``"weights-only"``:
+    ``tie``: False (untied), True (tied, flags agree; ``RuntimeError`` with the
+    reason where the family cannot tie, see ``tieable``), or ``"weights-only"``:
     tied weights under a top-level ``tie_word_embeddings=False``, as a Qwen3-VL
     checkpoint loads in transformers 4.57 (the flag that ties lives in
     ``text_config``); the frameworks read the top-level flag.
     """
     _require(family)
-    import torch
-    import transformers as T
-
     tied = bool(tie)
-    config = quiet(tiny_config, family, tied)
-    model_cls = getattr(T, CLASSES[family][0])
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = model_cls(config)
-    model = model.to(dtype=torch.float32, device="cpu")
-    model.train()
+    if tied and tieable(family) is not True:
+        raise RuntimeError(tieable(family))
+    model = _construct(family, tied, seed)
     inp = model.get_input_embeddings().weight
     out = model.get_output_embeddings().weight
     if (inp is out) != tied:
+        import transformers as T
+
         raise AssertionError(
             f"{family}: tie={tie} requested but get_input_embeddings().weight is "
             f"get_output_embeddings().weight == {inp is out} "
@@ -123,6 +184,20 @@ def build(family: str, *, tie: bool | str = False, seed: int = 0):
         )
     if tie == "weights-only":
         model.config.tie_word_embeddings = False
+    return model
+
+
+def _construct(family: str, tied: bool, seed: int):
+    import torch
+    import transformers as T
+
+    config = quiet(tiny_config, family, tied)
+    model_cls = getattr(T, CLASSES[family][0])
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_cls(config)
+    model = model.to(dtype=torch.float32, device="cpu")
+    model.train()
     return model
 
 

@@ -5,6 +5,7 @@ Token ids, image grids and audio lengths fit the geometry of ``configs``.
 
 from __future__ import annotations
 
+from . import recent
 from .configs import (
     _AUDIO,
     _AUDIO_BOS,
@@ -55,6 +56,8 @@ def _accepts(fn, name: str) -> bool:
 
 def make_batch(family: str, model, *, seed: int, batch_size: int = 2) -> dict:
     """Deterministic kwargs for ``model(**batch)`` (with labels -> scalar loss)."""
+    if family in recent.CLASSES:
+        return recent.make_batch(family, model, seed=seed, batch_size=batch_size)
     import torch
 
     gen = torch.Generator().manual_seed(int(seed))

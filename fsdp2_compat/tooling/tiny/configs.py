@@ -2,11 +2,13 @@
 
 ``tiny_config(family, tie)`` builds the config of one family from its
 transformers config class, in the spelling of the installed transformers major
-(4.57.x and 5.x).  The geometry constants are shared with ``batches``, which
+(4.57.x and 5.x); families new in transformers 5.1x live in ``recent``.  The geometry constants are shared with ``batches``, which
 builds inputs that fit them.
 """
 
 from __future__ import annotations
+
+from . import recent
 
 FAMILIES: tuple[str, ...] = (
     "qwen2",
@@ -22,7 +24,7 @@ FAMILIES: tuple[str, ...] = (
     "qwen2_audio",
     "voxtral",
     "audioflamingo3",
-)
+) + recent.FAMILIES
 
 # family -> (transformers model class, transformers config class)
 CLASSES: dict[str, tuple[str, str]] = {
@@ -39,6 +41,7 @@ CLASSES: dict[str, tuple[str, str]] = {
     "qwen2_audio": ("Qwen2AudioForConditionalGeneration", "Qwen2AudioConfig"),
     "voxtral": ("VoxtralForConditionalGeneration", "VoxtralConfig"),
     "audioflamingo3": ("AudioFlamingo3ForConditionalGeneration", "AudioFlamingo3Config"),
+    **recent.CLASSES,
 }
 
 # tiny dimensions shared by all families
@@ -117,6 +120,8 @@ def _text(tie: bool, **overrides) -> dict:
 
 
 def tiny_config(family: str, tie: bool):
+    if family in recent.CLASSES:
+        return recent.tiny_config(family, tie)
     import transformers as T
 
     major = tf_major()

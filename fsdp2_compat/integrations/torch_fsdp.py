@@ -1,0 +1,110 @@
+"""torch: FSDP2 gradient accumulation when micro-batches use different parts of the model.
+
+Two seams in ``torch.distributed.fsdp._fully_shard`` (torch 2.7.0-2.14.1), the
+fix code in ``fsdp2_compat.fixes.accumulation``:
+
+1. ``FSDPParam.to_accumulated_grad_if_needed`` reads ``self._unsharded_param``
+   unguarded.  That attribute exists only after the parameter's first
+   all-gather (``init_unsharded_param``; nothing deletes it).  With gradient
+   sync deferred (``set_requires_gradient_sync(False)``) and a
+   ``reduce_dtype`` different from ``param_dtype`` (bf16 / fp32: verl's and
+   SkyRL's default policy), FSDP's root post-backward callback runs every
+   group's ``post_backward``, the deferred branch calls this method for every
+   parameter, and a unit that never ran yet (the vision tower during a
+   text-only first micro-batch; an ``lm_head`` read with ``full_tensor()``)
+   raises ``AttributeError: 'FSDPParam' object has no attribute
+   '_unsharded_param'``.  The seam returns early for such a parameter (no
+   ``_unsharded_param``: no gradient can exist to upcast), the test torch's own
+   synchronising branch of ``post_backward`` already makes; every other call is
+   torch's method unchanged.
+2. Behind it, ``FSDPParamGroup.post_backward``: a unit whose parameters were
+   used only partly in a deferred micro-batch (a VLM's root unit holds the
+   vision ``patch_embed`` / ``merger`` next to the text model's norm) reaches
+   the synchronising post-backward with fp32 accumulated gradients for some
+   parameters and fresh bf16 gradients for the others, and ``foreach_reduce``
+   refuses the list: ``AssertionError: FSDP reduce-scatter expects uniform
+   gradient dtype but got {torch.bfloat16, torch.float32}``.  The seam first
+   brings the fresh-only gradients to the accumulated dtype with torch's own
+   ``to_accumulated_grad_if_needed``; ``foreach_reduce`` copies every gradient
+   into a ``reduce_dtype`` buffer anyway, so the reduce-scatter input is the
+   same values.  Nothing happens with sync deferred, or when no parameter of
+   the group has an accumulated gradient (every ordinary step).
+
+Releases (read from every published wheel; see ``declared``): the method of
+(1) is the same code from 2.4.0 to 2.14.1 (in this module from 2.6.0), but
+before 2.7.0 the root callback post-backwards only groups that are unsharded
+(or set not to unshard in backward), so a never-gathered unit is not reached
+in practice; (2) is reachable from 2.6.0 on (the root unit is always
+gathered).  torch 2.15.0 removed (1) and rewrote (2) around
+``Parameter.grad_dtype``, with ``getattr(fsdp_param, "_unsharded_param", None)``
+guards: nothing to patch there.
+
+Upstream: pytorch PR #194058 (the guard of (1), closed unmerged), pytorch
+issue #196996 (the mixed-dtype assertion of (2)), verl PR #7475 (an open
+shim of (1) in verl), verl issue #7520 (fused kernels, untied ``lm_head``,
+deferred sync: there the guard alone turns the crash into a silently
+un-averaged ``lm_head`` gradient; the ``lm_head`` gather patches of
+``fsdp2_compat.fixes.gather`` fix both).
+Fails safe: each seam is installed only where the installed method's
+fingerprint is a recorded one (a wrapt proxy of someone else is unknown code
+and refused); revert restores torch's methods.
+Delete when: every torch you run is >= 2.15.0, or carries both fixes.
+"""
+
+from ..core.records import Integration, Target
+
+FULLY_SHARD = "torch.distributed.fsdp._fully_shard"
+
+# torch is FSDP2 itself: it wraps nothing (no ``apply_fsdp2``) and no caller
+# imports the patched methods by name.
+INTEGRATION = Integration(dist="torch", package="torch", wrap_module=None)
+
+_NO_MODULE = (
+    "no torch.distributed.fsdp._fully_shard: FSDP2 lived in torch.distributed._composable.fsdp (2.4.0-2.5.1, "
+    "where the same code is not covered by this target) or did not exist yet"
+)
+_REWORKED = "accumulation rewritten around Parameter.grad_dtype, guarded with getattr(..., '_unsharded_param', None)"
+
+GRAD_ACCUM_GUARD = Target(
+    dist="torch",
+    module=FULLY_SHARD + "._fsdp_param",
+    attr="FSDPParam.to_accumulated_grad_if_needed",
+    versions=">=2.13.0,<=2.14.1",
+    # The same code in every release of this module.  2.6.0's root callback
+    # post-backwards a sharded group only under set_unshard_in_backward(False),
+    # so the crash needs 2.7.0+ in practice; the guard is harmless either way.
+    fingerprints={"2.6.0-2.14.1": "9b118be51f352e31"},
+    seam="fsdp2_compat.fixes.accumulation:guard_seam",
+    what="FSDP2 gradient accumulation (deferred upcast of a never-gathered parameter)",
+    diff="fsdp-param-accumulation",
+    declared={"<2.6.0": _NO_MODULE, ">=2.15.0": "method removed: " + _REWORKED},
+)
+
+GRAD_ACCUM_UNIFORM = Target(
+    dist="torch",
+    module=FULLY_SHARD + "._fsdp_param_group",
+    attr="FSDPParamGroup.post_backward",
+    versions=">=2.13.0,<=2.14.1",
+    # The code of every release below was read: the gradient-collecting loop
+    # the seam prepares for is the same in all of them (2.13.0 adds the
+    # reduce_scatter_unused_params zero, handled; 2.6.0 lacks torch's own skip
+    # of never-gathered parameters, which the seam does not need), and each foreach_reduce
+    # copies the gradients into a reduce_dtype buffer after the uniform-dtype
+    # assertion.
+    fingerprints={
+        "2.6.0": "5104529cbae3392f",
+        "2.7.0-2.7.1": "fa57c260dac9f670",
+        "2.8.0": "9dae58c7e0134d51",
+        "2.9.0-2.9.1": "922ec7f91c892f1b",
+        "2.10.0-2.11.0": "b633fef1d04c7df9",
+        "2.12.0-2.12.1": "b0d870ede32d3a1b",
+        "2.13.0": "22385c789e12917e",
+        "2.14.0-2.14.1": "1d778f789473dc5b",
+    },
+    seam="fsdp2_compat.fixes.accumulation:uniform_seam",
+    what="FSDP2 gradient accumulation (uniform dtype after a partly-used deferred micro-batch)",
+    diff="fsdp-param-group-accumulation",
+    declared={"<2.6.0": _NO_MODULE, ">=2.15.0": "post_backward " + _REWORKED},
+)
+
+GRAD_ACCUMULATION = (GRAD_ACCUM_GUARD, GRAD_ACCUM_UNIFORM)

@@ -1,0 +1,364 @@
+"""Rank functions for the gradient-accumulation proofs (``tests/integrations/test_grad_accumulation.py``).
+
+Each function runs several cases one after the other in the same pair of
+rank processes (a fresh model and a fresh patch request per case, reverted
+after it), because starting ranks costs more than the tiny models' training.
+
+A case trains optimizer steps made of micro-batches through
+``fsdp2_compat.tooling.scenarios.train_against_reference``: every rank gets
+different data, the unsharded fp32 reference trains on the data-parallel
+average, and gradient sync is deferred on every micro-batch but the last of a
+step (``sync="deferred"``, as verl's ``use_no_sync_for_gradient_accumulation``)
+or on none (``sync="every"``).  "text" micro-batches carry no image (every
+image token replaced by text), "image" ones an image; the pattern is the same
+on every rank, as FSDP needs (a unit's all-gather is a collective).
+
+Test-only catalogue entries (``TEST_PATCHES``) select single targets through
+the real engine, to show what each seam alone does: registered in the rank
+process only, like the toy patches of ``tests/core/conftest.py``.
+"""
+
+from fsdp2_compat.tooling.scenarios import first_line, full_value, fused_loss, train_against_reference
+
+STEPS = (("text", "image"), ("image", "text", "image"))  # micro-batch kinds of step 0 and step 1
+TEXT_STEPS = (("text", "text"), ("text", "text", "text"))
+
+
+def _test_patches():
+    from fsdp2_compat import registry
+    from fsdp2_compat.core.records import Patch
+    from fsdp2_compat.integrations import torch_fsdp
+
+    def patch(name, targets):
+        return Patch(name, "test only", {}, targets, ("test",), "never")
+
+    return (
+        patch("t-selection", registry.WRAP_SELECTION),  # the selection fix, torch as released
+        patch("t-guard", (torch_fsdp.GRAD_ACCUM_GUARD,)),  # the AttributeError guard alone
+        patch("t-selection-guard", registry.WRAP_SELECTION + (torch_fsdp.GRAD_ACCUM_GUARD,)),
+        patch("t-accum", registry.GRAD_ACCUMULATION),  # both torch seams, nothing else
+    )
+
+
+def register_test_patches():
+    """Add ``_test_patches()`` to the catalogue of this (rank) process."""
+    from fsdp2_compat import registry
+
+    added = [p for p in _test_patches() if p.name not in registry._BY_NAME]
+    registry.PATCHES = registry.PATCHES + tuple(added)
+    registry._BY_NAME.update({p.name: p for p in added})
+
+
+def text_only(batch, seed):
+    """``batch`` with every image placeholder replaced by a text token, and no image inputs."""
+    import torch
+
+    from fsdp2_compat.tooling.tiny.configs import _TEXT_TOKENS_MAX
+
+    gen = torch.Generator().manual_seed(seed)
+    ids = batch["input_ids"].clone()
+    special = ids >= _TEXT_TOKENS_MAX
+    ids[special] = torch.randint(3, _TEXT_TOKENS_MAX, (int(special.sum()),), generator=gen)
+    out = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    if "mm_token_type_ids" in batch:
+        out["mm_token_type_ids"] = torch.zeros_like(batch["mm_token_type_ids"])
+    return out
+
+
+def tiny_qwen3_5(seed=0):
+    """Tiny untied Qwen3.5 (verl's own ``qwen3_5`` fused forward): one linear-attention and one
+    full-attention layer, depth-1 vision tower.  Test-only (not a ``tooling.tiny`` family: its
+    batches need ``use_cache=False``, verl 0.9.1's gated-delta-net patch cannot read
+    transformers 5.8's cache)."""
+    import torch
+    import transformers as T
+
+    text = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=16, layer_types=["linear_attention", "full_attention"],
+                linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=2,
+                max_position_embeddings=256, pad_token_id=0, tie_word_embeddings=False,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                                 "mrope_interleaved": True, "partial_rotary_factor": 1.0})
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, in_channels=3, patch_size=4,
+                  spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=32, num_position_embeddings=16)
+    cfg = T.Qwen3_5Config(text_config=text, vision_config=vision, image_token_id=250, video_token_id=251,
+                          vision_start_token_id=252, vision_end_token_id=253, tie_word_embeddings=False)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = T.Qwen3_5ForConditionalGeneration(cfg)
+    return model.float().train()
+
+
+class _HeadOutput:
+    def __init__(self, loss):
+        self.loss = loss
+
+
+CHUNK = 7  # rows of hidden states per lm_head read
+
+
+def chunked_head_forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
+    """A causal-LM forward whose loss reads ``lm_head.weight`` once per chunk of rows (a chunked
+    cross-entropy) through ``fsdp2_compat.fixes.gather``: one weight, several uses in one graph."""
+    import torch.nn.functional as F
+
+    from fsdp2_compat.fixes import gather
+
+    kwargs.pop("return_dict", None)
+    hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)[0]
+    targets = (labels if labels is not None else input_ids)[:, 1:].reshape(-1)
+    hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])
+    total, count = 0.0, 0
+    with gather.gathered(self.lm_head):
+        for start in range(0, hidden.shape[0], CHUNK):
+            weight = gather.gather_param(self.lm_head)
+            logits = (hidden[start:start + CHUNK].to(weight.dtype) @ weight.t()).float()
+            t = targets[start:start + CHUNK]
+            keep = t != -100
+            total = total + F.cross_entropy(logits, t.clamp_min(0), reduction="none")[keep].sum()
+            count += int(keep.sum())
+    return _HeadOutput(total / count)
+
+
+def never_gathered_units(model):
+    """FSDP units (module names) with a parameter that was never all-gathered."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from fsdp2_compat.fixes.accumulation import never_all_gathered
+
+    out = []
+    for name, module in model.named_modules():
+        if isinstance(module, FSDPModule):
+            for group in _groups(module):
+                if any(never_all_gathered(p) for p in group.fsdp_params):
+                    out.append(name or "<root>")
+    return sorted(set(out))
+
+
+def _groups(module):
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        groups = [state._fsdp_param_group] if state._fsdp_param_group is not None else []
+    return groups
+
+
+def _policy(name):
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    low = torch.bfloat16 if name == "bf16" else torch.float32
+    return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
+
+
+def _build(family, fused):
+    from fsdp2_compat.tooling import tiny
+
+    model = tiny_qwen3_5() if family == "qwen3_5" else tiny.build(family, tie=False, seed=0)
+    if fused:
+        from verl.models.transformers.monkey_patch import apply_monkey_patch
+
+        apply_monkey_patch(model, use_remove_padding=False, use_fused_kernels=True, fused_kernels_backend="torch")
+    return model
+
+
+def _micro_batch(family, reference, seed, kind, fused):
+    from fsdp2_compat.tooling import tiny
+    from fsdp2_compat.tooling.verl_batches import add_verl_position_ids
+
+    if family == "qwen3_5":  # text-only micro-batches, as in verl issue #7520
+        batch = tiny.make_batch("qwen2", reference, seed=seed)
+        batch["use_cache"] = False
+    else:
+        batch = tiny.make_batch(family, reference, seed=seed)
+        if kind == "text" and "pixel_values" in batch:
+            batch = text_only(batch, seed + 1000)
+    if fused:
+        batch.pop("labels", None)
+        add_verl_position_ids(reference, batch)
+    return batch
+
+
+def _one_case(rank, world, framework, family, fused, patches, policy, sync, steps, chunked=False):
+    """One training run; returns the result dict of ``train_against_reference`` plus the evidence.
+
+    ``chunked``: the model class's forward is ``chunked_head_forward`` for this run.
+    """
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import fsdp2_compat
+    from fsdp2_compat.fixes import gather
+    from fsdp2_compat.tooling import scenarios
+
+    if patches:
+        fsdp2_compat.apply(patches)
+    fsdp_utils = scenarios.import_fsdp_utils(framework)
+    model = _build(family, fused)
+    if chunked:  # before sharding, as verl installs its forwards; restored after the run
+        model_class = type(model)
+        saved_forward = model_class.__dict__["forward"]
+        model_class.forward = chunked_head_forward
+    reference = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+    fsdp_utils.apply_fsdp2(model, {"mesh": mesh, "mp_policy": _policy(policy)}, {})
+    result = {"wrapped": scenarios.wrapped_module_names(model), "error": None, "losses": [], "loss_err": 0.0,
+              "grad_err": 0.0, "worst_grad": None, "param_err": 0.0, "grads_checked": 0, "lm_head_grad_err": 0.0,
+              "never_gathered_after_first": None, "grads": [], "lm_head_sharded_after_backward": []}
+    releases_before = gather.STATS["early_releases"]
+    lm_head = getattr(model, "lm_head", None)
+    lm_group = gather._owning(lm_head, lm_head.weight)[0] if lm_head is not None and hasattr(
+        lm_head, "_get_fsdp_state") else None
+
+    def after_backward():
+        if lm_group is not None:
+            result["lm_head_sharded_after_backward"].append(lm_group.is_sharded)
+    if policy == "bf16":
+        result.update(grad_rel_to_max=0.0, worst_rel_to_max=None)
+
+    def forward_loss(module, batch):
+        if fused:
+            return fused_loss(module(**batch, return_dict=True), batch)
+        return module(**batch).loss
+
+    def loss_of(module, micro_batches):
+        # Every micro-batch but the last is backpropagated here; the caller
+        # backpropagates the last (train_against_reference: the sharded model's
+        # loss as is, the reference's summed over ranks / world).
+        sharded = module is model
+        n = len(micro_batches)
+        for i, batch in enumerate(micro_batches):
+            if sharded:
+                model.set_requires_gradient_sync(sync == "every" or i == n - 1)
+            loss = forward_loss(module, batch) / n
+            if i < n - 1:
+                (loss if sharded else loss / world).backward()
+                if sharded:
+                    after_backward()
+                if sharded and result["never_gathered_after_first"] is None:
+                    result["never_gathered_after_first"] = never_gathered_units(model)
+        return loss, None
+
+    def batches_for(step):
+        kinds = steps[step]
+        return [[_micro_batch(family, reference, 1 + 100 * step + 10 * mb + r, kind, fused)
+                 for mb, kind in enumerate(kinds)] for r in range(world)]
+
+    def snapshot(_out, _ref_out):
+        after_backward()  # the step's last micro-batch (train_against_reference backpropagated it)
+        result["grads"].append({n: full_value(p.grad).detach().float().clone()
+                                for n, p in model.named_parameters() if p.grad is not None})
+
+    try:
+        train_against_reference(model, reference, rank, world, result, batches_for, loss_of, len(steps),
+                                compare=snapshot)
+    finally:
+        model.set_requires_gradient_sync(True)
+        if chunked:
+            model_class.forward = saved_forward
+    result["early_releases"] = gather.STATS["early_releases"] - releases_before
+    return result
+
+
+def accumulation_cases(rank, world, framework, family, cases, pairs=(), fused=False, chunked=False):
+    """Run ``cases`` ``[(name, patches, policy, sync, steps)]`` in order; ``{name: result}``.
+
+    ``patches``: a list of catalogue names (the test-only ones included) or
+    None; ``policy``: "bf16" (bf16 params, fp32 reduce) or "fp32"; ``steps``:
+    "mixed" (``STEPS``) or "text" (``TEXT_STEPS``).  For each ``(a, b)`` of
+    ``pairs``, ``"a vs b"`` is the worst ``max |a-b|/(1+|b|)`` between the
+    gradients of the two cases, step by step (e.g. deferred vs every-micro-batch
+    sync of the same model and data).
+    """
+    import fsdp2_compat
+    from fsdp2_compat.tooling.scenarios import rel_err
+
+    register_test_patches()
+    out = {}
+    for name, patches, policy, sync, steps in cases:
+        try:
+            out[name] = _one_case(rank, world, framework, family, fused, patches, policy, sync,
+                                  STEPS if steps == "mixed" else TEXT_STEPS, chunked)
+        except Exception as exc:  # a harness failure, not a training failure: report, go on
+            out[name] = {"error": "harness: %s: %s" % (type(exc).__name__, first_line(exc)), "grads": []}
+        finally:
+            fsdp2_compat.revert()
+    for a, b in pairs:
+        ga, gb = out[a]["grads"], out[b]["grads"]
+        if ga and len(ga) == len(gb):
+            out["%s vs %s" % (a, b)] = max(rel_err(x[k], y[k]) for x, y in zip(ga, gb) for k in y)
+    for result in out.values():
+        if isinstance(result, dict):
+            result.pop("grads", None)
+    return out
+
+
+def toy_accumulation(rank, world, patches, unused=False, sync="deferred"):
+    """Pure torch (no transformers): root(text Linear, vis_proj Linear, child unit tower), 2 micro-batches.
+
+    Micro-batch 0 is "text only" (``tower`` and ``vis_proj`` unused) with sync
+    deferred; micro-batch 1 uses everything with sync on (``unused``: again
+    text only, with ``set_reduce_scatter_unused_params(True)``); ``sync="every"``
+    syncs both.  bf16 params, fp32 reduce.  Different data per rank; the
+    gradient is compared with an unsharded fp32 copy trained on the
+    data-parallel average, and returned (``grads``, full values as lists).
+    """
+    import copy
+
+    import torch
+    import torch.nn as nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import fsdp2_compat
+    from fsdp2_compat.tooling.scenarios import rel_err
+
+    register_test_patches()
+    if patches:
+        fsdp2_compat.apply(patches)
+
+    class Toy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.text = nn.Linear(8, 8)
+            self.vis_proj = nn.Linear(8, 8)  # in the root unit, used only with an "image"
+            self.tower = nn.Sequential(nn.Linear(8, 8))  # its own unit, used only with an "image"
+
+        def forward(self, x, image=None):
+            h = self.text(x)
+            if image is not None:
+                h = h + self.vis_proj(self.tower(image))
+            return h.float().pow(2).mean()
+
+    torch.manual_seed(0)
+    model = Toy()
+    reference = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", (world,))
+    fully_shard(model.tower, mesh=mesh, mp_policy=_policy("bf16"))
+    fully_shard(model, mesh=mesh, mp_policy=_policy("bf16"))
+    gen = torch.Generator().manual_seed(7)
+    data = [(torch.randn(4, 8, generator=gen), torch.randn(4, 8, generator=gen)) for _ in range(world)]
+    result = {"error": None, "grad_err": None}
+    try:
+        if unused:
+            model.set_reduce_scatter_unused_params(True)
+        model.set_requires_gradient_sync(sync == "every")
+        model(data[rank][0]).backward()
+        model.set_requires_gradient_sync(True)
+        (model(data[rank][0]) if unused else model(*data[rank])).backward()
+    except Exception as exc:
+        result["error"] = "%s: %s" % (type(exc).__name__, str(exc).strip().splitlines()[-1])
+        return result
+    for x, img in data:
+        (reference(x) / world).backward()
+        ((reference(x) if unused else reference(x, img)) / world).backward()
+
+    def grad(p):  # an unused parameter: no gradient, or the zero torch reduce-scattered for it
+        g = full_value(p.grad)
+        return torch.zeros_like(full_value(p.detach())) if g is None else g
+
+    result["grad_err"] = max(rel_err(grad(p), grad(q)) for p, q in zip(model.parameters(), reference.parameters()))
+    result["grads_checked"] = sum(q.grad is not None for q in reference.parameters())
+    result["grads"] = {n: grad(p).tolist() for n, p in model.named_parameters()}
+    return result
