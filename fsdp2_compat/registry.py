@@ -238,21 +238,24 @@ def seam_kind(target):
 
 
 def siblings(target, patch_names):
-    """The other targets of ``patch_names`` that fix the same thing in the same module as ``target``.
+    """The other targets of ``patch_names`` that are alternative layouts of ``target``'s fix.
 
     verl's wrap selection moved from an inline loop (``apply_fsdp2``, up to
     0.7.0) to ``_select_fsdp2_wrap_targets`` (0.7.1+): a patch carries one
     target per code layout, and any release's code fits only one of them.
-    The other is then "another seam", not a refusal (``core.policy``).
-    Targets of one module that fix different things (LLaMA-Factory's
-    selection and its layer-class lookup, ``seam_kind``) are not layouts of
-    each other: each needs its own code to fit.
+    The other is then "another seam", not a refusal (``core.policy``).  Only
+    targets that say so (the same ``Target.layout`` in the same module) are
+    alternatives: two targets a release needs both (verl's torch and triton
+    fused forwards, LLaMA-Factory's selection and its lookup) each need their
+    own code to fit.
     """
+    if target.layout is None:
+        return []
     out = []
     for name in sorted(patch_names):
         for other in patch(name).targets:
-            if (other is not target and other.dist == target.dist and other.module == target.module
-                    and seam_kind(other) == seam_kind(target) and other not in out):
+            if (other is not target and other.layout == target.layout and other.dist == target.dist
+                    and other.module == target.module and other not in out):
                 out.append(other)
     return out
 

@@ -43,13 +43,18 @@ class Target:
                   release to be fingerprinted, fixed, declared or unsupported
     diff          stem of the equivalent source diff: the file for release X is
                   ``patches/<dist>/<X>/<diff>.diff`` in the repository
+    layout        optional name shared by targets that are alternative code layouts
+                  of one fix in one module (verl's selection moved from
+                  ``apply_fsdp2`` to ``_select_fsdp2_wrap_targets`` in 0.7.1): a
+                  release's code fits one of them, and the others then report
+                  "other seam" instead of a refusal.  Targets without it stand alone
     """
 
     __slots__ = ("dist", "module", "attr", "versions", "fingerprints", "seam", "fixed_in", "declared",
-                 "unsupported", "diff", "what")
+                 "unsupported", "diff", "what", "layout")
 
     def __init__(self, dist, module, attr, versions, fingerprints, seam, what, fixed_in=None, diff=None,
-                 declared=None, unsupported=None):
+                 declared=None, unsupported=None, layout=None):
         self.dist = dist
         self.module = module
         self.attr = attr
@@ -60,6 +65,7 @@ class Target:
         self.fixed_in = fixed_in
         self.declared = dict(declared or {})
         self.unsupported = dict(unsupported or {})
+        self.layout = layout
         self.diff = diff
 
     @property

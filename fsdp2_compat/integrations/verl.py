@@ -50,6 +50,7 @@ WRAP_SELECTION_INLINE = Target(
     seam="fsdp2_compat.fixes.inline_selection:seam",
     what="FSDP2 wrap selection (inline loop)",
     diff="wrap-selection",
+    layout="wrap selection",
     declared={
         "<0.4.0": "FSDP1 only: fsdp_utils has no apply_fsdp2",
         ">=0.7.1": "apply_fsdp2 calls _select_fsdp2_wrap_targets (the WRAP_SELECTION target)",
@@ -65,6 +66,7 @@ WRAP_SELECTION = Target(
     seam="fsdp2_compat.integrations.verl:selection_seam",
     what="FSDP2 wrap selection",
     diff="wrap-selection",
+    layout="wrap selection",
     declared={"<0.7.1": "the selection is inline in apply_fsdp2 (the WRAP_SELECTION_INLINE target)"},
 )
 

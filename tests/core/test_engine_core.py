@@ -162,7 +162,9 @@ def test_a_sibling_target_that_fits_the_code_makes_the_other_one_a_seam_not_a_re
     """Two targets in one module, one per code layout: whichever fits applies, the other stays quiet."""
     layout_b = type(toy.select)(
         dist="f2c-toy", module="f2c_toy.utils", attr="helper", versions=">=2.0",
-        fingerprints={"2.x": "0000000000000000"}, seam="toy_seams:seam", what="toy selection (other layout)")
+        fingerprints={"2.x": "0000000000000000"}, seam="toy_seams:seam", what="toy selection (other layout)",
+        layout="toy selection")
+    monkeypatch.setattr(toy.select, "layout", "toy selection")
     toy.register(monkeypatch, toy.patch(layout_b, toy.select))
     toy.import_utils()
     fsdp2_compat.apply("toy")
@@ -171,6 +173,19 @@ def test_a_sibling_target_that_fits_the_code_makes_the_other_one_a_seam_not_a_re
     assert other.kind == engine.OTHER_SEAM and "uses the select seam (code of the 1.0-1.2 release)" in other.detail
     assert capsys.readouterr().err == ""
     assert engine.is_applied("toy")
+
+
+def test_a_second_target_in_the_module_that_is_not_an_alternative_layout_is_refused(toy, monkeypatch, capsys):
+    """Two targets a release needs both: one fitting does not excuse the other's unknown code."""
+    other = type(toy.select)(
+        dist="f2c-toy", module="f2c_toy.utils", attr="helper", versions=">=1.0,<2",
+        fingerprints={"1.x": "0000000000000000"}, seam="toy_seams:seam", what="toy selection (helper)")
+    toy.register(monkeypatch, toy.patch(other, toy.select))
+    toy.import_utils()
+    fsdp2_compat.apply("toy")
+    assert outcome_of(toy.select).kind == engine.APPLIED
+    assert outcome_of(other).kind == engine.DRIFTED
+    assert "NOT applied" in capsys.readouterr().err
 
 
 def test_targets_fixing_different_things_in_one_module_are_refused_separately(toy, monkeypatch, capsys):

@@ -60,6 +60,16 @@ def test_targets_of_one_module_that_fix_different_things_are_not_siblings():
     assert registry.siblings(selection, ["glm4v"]) == [] and registry.siblings(lookup, ["glm4v"]) == []
 
 
+def test_two_backends_a_release_needs_both_are_not_alternatives():
+    """verl's torch and triton fused forwards share a module and a kind, and each must fit on its own:
+    if one changed while the other still matched, the changed one must be refused, not 'other seam'."""
+    from fsdp2_compat.integrations import verl
+
+    torch_backend, triton_backend = verl.QWEN3_VL_FUSED
+    assert torch_backend.module == triton_backend.module
+    assert registry.siblings(torch_backend, ["qwen3vl"]) == [] and registry.siblings(triton_backend, ["qwen3vl"]) == []
+
+
 def test_patch_families_are_derived_from_model_types():
     p = Patch("x", "s", {"glm4v": "GLM-4.1V", "glm4v_moe": "GLM-4.5V"}, (), (), "never")
     assert p.families == ("GLM-4.1V (glm4v)", "GLM-4.5V (glm4v_moe)")
