@@ -197,6 +197,24 @@ def patch(name):
     return _BY_NAME[name]
 
 
+def register(p):
+    """Add ``p`` to the catalogue for this process (tooling and tests: a transient patch, e.g.
+    an exact subset of targets); returns it.  ``ValueError`` if the name is taken."""
+    global PATCHES
+    if p.name in _BY_NAME:
+        raise ValueError("a patch named %r is already in the catalogue" % p.name)
+    PATCHES = PATCHES + (p,)
+    _BY_NAME[p.name] = p
+    return p
+
+
+def unregister(name):
+    """Remove a patch ``register`` added (no error if it is not there)."""
+    global PATCHES
+    if _BY_NAME.pop(name, None) is not None:
+        PATCHES = tuple(p for p in PATCHES if p.name != name)
+
+
 def targets():
     """Every distinct target, in catalogue order."""
     seen, out = set(), []

@@ -44,8 +44,7 @@ def request(items):
 
     forget()
     patch = Patch(NAME, "a subset of the catalogue's targets (tooling)", {}, targets_of(items), (), "never: tooling only")
-    registry.PATCHES = registry.PATCHES + (patch,)
-    registry._BY_NAME[NAME] = patch
+    registry.register(patch)
     fsdp2_compat.apply([NAME])
     return NAME
 
@@ -54,13 +53,12 @@ def forget():
     """Revert the transient patch (if requested) and remove it from the catalogue."""
     from fsdp2_compat import registry
 
-    if NAME not in registry._BY_NAME:
+    if NAME not in registry.names():
         return
     import fsdp2_compat
 
     fsdp2_compat.revert([NAME])
-    registry.PATCHES = tuple(p for p in registry.PATCHES if p.name != NAME)
-    del registry._BY_NAME[NAME]
+    registry.unregister(NAME)
 
 
 def apply(patches):

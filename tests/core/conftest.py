@@ -41,6 +41,7 @@ class Toy:
 
     def __init__(self, root):
         self.root = root
+        self.registered = []
         self.utils_path = os.path.join(root, "f2c_toy", "utils.py")
         source = open(self.utils_path).read()
         self.fp_select = guards.fingerprint_source(source, "select")
@@ -58,9 +59,10 @@ class Toy:
         return Patch(name, "toy patch", {"toy_model": "Toy"}, targets or (self.select,), ("toy #1",), "never")
 
     def register(self, monkeypatch, *patches):
-        """Add ``patches`` to the catalogue for this test."""
-        monkeypatch.setattr(registry, "PATCHES", registry.PATCHES + tuple(patches))
-        monkeypatch.setattr(registry, "_BY_NAME", dict(registry._BY_NAME, **{p.name: p for p in patches}))
+        """Add ``patches`` to the catalogue for this test (``registry.register``, undone at teardown)."""
+        for p in patches:
+            registry.register(p)
+            self.registered.append(p.name)
 
     def import_utils(self):
         return importlib.import_module("f2c_toy.utils")
@@ -82,9 +84,12 @@ def toy(tmp_path, monkeypatch):
            "Metadata-Version: 2.1\nName: f2c-toy\nVersion: 1.2.0\n")
     monkeypatch.syspath_prepend(root)
     importlib.invalidate_caches()
-    yield Toy(root)
+    toy = Toy(root)
+    yield toy
     import fsdp2_compat
 
     fsdp2_compat.revert()
+    for name in toy.registered:
+        registry.unregister(name)
     for name in [m for m in sys.modules if m == "f2c_toy" or m.startswith("f2c_toy.")]:
         del sys.modules[name]

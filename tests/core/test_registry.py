@@ -73,3 +73,18 @@ def test_two_backends_a_release_needs_both_are_not_alternatives():
 def test_patch_families_are_derived_from_model_types():
     p = Patch("x", "s", {"glm4v": "GLM-4.1V", "glm4v_moe": "GLM-4.5V"}, (), (), "never")
     assert p.families == ("GLM-4.1V (glm4v)", "GLM-4.5V (glm4v_moe)")
+
+
+def test_a_transient_patch_can_be_registered_and_removed():
+    p = Patch("f2c-transient", "s", {}, registry.WRAP_SELECTION[:1], (), "never")
+    try:
+        assert registry.register(p) is p and registry.patch("f2c-transient") is p
+        assert "f2c-transient" in registry.names() and p in registry.PATCHES
+        import pytest
+
+        with pytest.raises(ValueError, match="already in the catalogue"):
+            registry.register(p)
+    finally:
+        registry.unregister("f2c-transient")
+    assert "f2c-transient" not in registry.names()
+    registry.unregister("f2c-transient")  # twice is fine

@@ -44,9 +44,9 @@ def register_test_patches():
     """Add ``_test_patches()`` to the catalogue of this (rank) process."""
     from fsdp2_compat import registry
 
-    added = [p for p in _test_patches() if p.name not in registry._BY_NAME]
-    registry.PATCHES = registry.PATCHES + tuple(added)
-    registry._BY_NAME.update({p.name: p for p in added})
+    for p in _test_patches():
+        if p.name not in registry.names():
+            registry.register(p)
 
 
 def text_only(batch, seed):
