@@ -26,13 +26,11 @@ test-environment-only reasons:
    ``fsdp_strategy`` imports ``model_wrapper``, which runs
    ``from flash_attn.bert_padding import pad_input, unpad_input`` at module top.
    flash-attn has no CPU build and cannot be installed without CUDA.
-   Workaround: for the duration of the import only, put a stand-in
-   ``flash_attn.bert_padding`` (pure-torch ``pad_input`` / ``unpad_input`` with the
-   flash-attn 2.7 signatures) into ``sys.modules``; remove it again afterwards.
-   The stand-in must not stay visible: transformers 5.x ``is_flash_attn_2_available()``
-   raises ``KeyError: 'flash_attn'`` when ``find_spec("flash_attn")`` finds a module
-   that has no installed distribution. So transformers' own flash-attn probes
-   are run (and cached) before the stand-in appears.
+   Workaround: for the duration of the import only, the named CPU stand-in
+   ``fsdp2_compat.tooling.engines.cpu.bert_padding_during_import`` (pure-torch
+   ``pad_input`` / ``unpad_input`` with the flash-attn 2.7 signatures, removed
+   again afterwards; transformers' flash-attn probes run and cache first, since
+   a visible module without an installed distribution makes them raise).
 
 3. ``skyrl_train.distributed.fsdp_strategy`` of skyrl-train 0.3.1.
    It does ``from skyrl_train.distributed.fsdp_utils import MixedPrecisionPolicy``,
@@ -44,12 +42,13 @@ test-environment-only reasons:
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import importlib.machinery
 import importlib.util
 import sys
 import types
+
+from fsdp2_compat.tooling.engines.cpu import bert_padding_during_import
 
 __all__ = ["import_skyrl_module"]
 
@@ -63,7 +62,7 @@ def import_skyrl_module(name: str) -> types.ModuleType:
         _ensure_skyrl_backends_package()
     if name == "skyrl_train.distributed.fsdp_strategy":
         _ensure_skyrl_train_mixed_precision_policy()
-    with _flash_attn_bert_padding_standin():
+    with bert_padding_during_import():
         return importlib.import_module(name)
 
 
@@ -79,59 +78,3 @@ def _ensure_skyrl_train_mixed_precision_policy() -> None:
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         fsdp_utils.MixedPrecisionPolicy = MixedPrecisionPolicy
-
-
-@contextlib.contextmanager
-def _flash_attn_bert_padding_standin():
-    if "flash_attn" in sys.modules or importlib.util.find_spec("flash_attn") is not None:
-        yield
-        return
-    _warm_transformers_flash_attn_probes()
-    import torch
-
-    def unpad_input(hidden_states, attention_mask, unused_mask=None):
-        all_masks = attention_mask + unused_mask if unused_mask is not None else attention_mask
-        seqlens = all_masks.sum(dim=-1, dtype=torch.int32)
-        used_seqlens = attention_mask.sum(dim=-1, dtype=torch.int32)
-        indices = torch.nonzero(all_masks.flatten(), as_tuple=False).flatten()
-        max_seqlen = int(seqlens.max().item())
-        cu_seqlens = torch.nn.functional.pad(torch.cumsum(seqlens, dim=0, dtype=torch.int32), (1, 0))
-        flat = hidden_states.reshape(-1, *hidden_states.shape[2:])
-        return flat[indices], indices, cu_seqlens, max_seqlen, used_seqlens
-
-    def pad_input(hidden_states, indices, batch, seqlen):
-        out = hidden_states.new_zeros((batch * seqlen, *hidden_states.shape[1:]))
-        out = out.index_put((indices,), hidden_states)
-        return out.reshape(batch, seqlen, *hidden_states.shape[1:])
-
-    pkg = types.ModuleType("flash_attn", "stand-in from tests/support/skyrl_import.py")
-    pkg.__path__ = []
-    pkg.__spec__ = importlib.machinery.ModuleSpec("flash_attn", None, is_package=True)
-    sub = types.ModuleType("flash_attn.bert_padding", "stand-in from tests/support/skyrl_import.py")
-    sub.__spec__ = importlib.machinery.ModuleSpec("flash_attn.bert_padding", None)
-    sub.pad_input, sub.unpad_input = pad_input, unpad_input
-    pkg.bert_padding = sub
-    sys.modules["flash_attn"] = pkg
-    sys.modules["flash_attn.bert_padding"] = sub
-    try:
-        yield
-    finally:
-        for mod in [m for m in sys.modules if m == "flash_attn" or m.startswith("flash_attn.")]:
-            if sys.modules[mod] is pkg or sys.modules[mod] is sub:
-                del sys.modules[mod]
-
-
-def _warm_transformers_flash_attn_probes() -> None:
-    # Import transformers' modelling stack and run its (lru-cached in 5.x)
-    # flash-attn availability checks while no flash_attn module is visible.
-    importlib.import_module("transformers.modeling_utils")
-    import_utils = importlib.import_module("transformers.utils.import_utils")
-    for probe in (
-        "is_flash_attn_2_available",
-        "is_flash_attn_3_available",
-        "is_flash_attn_4_available",
-    ):
-        fn = getattr(import_utils, probe, None)
-        if fn is not None:
-            with contextlib.suppress(Exception):
-                fn()
