@@ -237,7 +237,7 @@ def _settle(state, module, strict=None):
             return Outcome(target, NOT_INSTALLED, None, "%s is imported but %s has no installed metadata" % (target.module, target.dist))
         if is_ours(lookup(module, target.attr)):
             return Outcome(target, APPLIED, found, "already patched", proven=guards.in_range(found, target.versions))
-        verdict = policy.judge(target, module, found, _siblings(state), lookup, strict)
+        verdict = policy.judge(target, module, found, _siblings(state), lookup, strict, is_ours)
         if verdict.action != policy.APPLY:
             return Outcome(target, verdict.kind, found, verdict.detail)
         applied = _swap(target, module)

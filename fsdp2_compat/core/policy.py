@@ -82,12 +82,14 @@ class Verdict:
         self.proven = proven
 
 
-def judge(target, module, found, siblings, lookup, strict):
+def judge(target, module, found, siblings, lookup, strict, is_ours=lambda obj: False):
     """The verdict for ``target`` in the imported ``module`` of installed release ``found``.
 
-    ``siblings``: other targets of the requesting patches on the same module;
+    ``siblings``: the alternative layouts of the target's fix (same module);
     ``lookup(module, attr)``: how the engine finds an attribute; ``strict``: a
-    ``STRICT_*`` level.
+    ``STRICT_*`` level; ``is_ours(obj)``: whether an object is a replacement
+    the engine installed (a sibling already applied fits, whatever the order
+    the import hooks run in).
     """
     if target.fixed_in and guards.in_range(found, target.fixed_in):
         return Verdict(None, NOT_NEEDED, "fixed upstream in %s %s" % (target.dist, target.fixed_in))
@@ -95,6 +97,8 @@ def judge(target, module, found, siblings, lookup, strict):
     if label is None:
         # Another layout of the same fix fits this code: that one applies (say so first).
         for other in siblings:
+            if is_ours(lookup(module, other.attr)):
+                return Verdict(None, OTHER_SEAM, "%s %s uses the %s seam (applied)" % (target.dist, found, other.attr))
             other_label, _ = code_label(other, module, lookup)
             if other_label is not None:
                 return Verdict(None, OTHER_SEAM, "%s %s uses the %s seam (code of the %s release)"

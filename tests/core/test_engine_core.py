@@ -175,6 +175,22 @@ def test_a_sibling_target_that_fits_the_code_makes_the_other_one_a_seam_not_a_re
     assert engine.is_applied("toy")
 
 
+def test_the_other_layout_is_a_seam_whichever_hook_runs_first(toy, monkeypatch, capsys):
+    """The layout that fits may already be patched when its sibling is judged (hook order): still 'other seam'."""
+    layout_b = type(toy.select)(
+        dist="f2c-toy", module="f2c_toy.utils", attr="helper", versions=">=2.0",
+        fingerprints={"2.x": "0000000000000000"}, seam="toy_seams:seam", what="toy selection (other layout)",
+        layout="toy selection", declared={">=1.0,<2": "the selection is select() here"})
+    monkeypatch.setattr(toy.select, "layout", "toy selection")
+    toy.register(monkeypatch, toy.patch(toy.select, layout_b))  # select is judged (and applied) first
+    toy.import_utils()
+    fsdp2_compat.apply("toy")
+    assert outcome_of(toy.select).kind == engine.APPLIED
+    other = outcome_of(layout_b)
+    assert other.kind == engine.OTHER_SEAM and "uses the select seam" in other.detail, other
+    assert capsys.readouterr().err == ""
+
+
 def test_a_second_target_in_the_module_that_is_not_an_alternative_layout_is_refused(toy, monkeypatch, capsys):
     """Two targets a release needs both: one fitting does not excuse the other's unknown code."""
     other = type(toy.select)(
