@@ -160,24 +160,37 @@ def module_paths(module):
     return (base + ".py", base + "/__init__.py")
 
 
+_module_locks = {}
+
+
 def read_module(dist, version, files, module):
-    """The source text of ``module`` in ``dist`` ``version`` (``None`` if the release lacks it); cached."""
+    """The source text of ``module`` in ``dist`` ``version`` (``None`` if the release lacks it); cached.
+
+    Several targets live in one module and the census reads them from threads:
+    one lock per file, and the cache file is written whole before it appears
+    (a half-written cache would read as code without the later definitions).
+    """
     cached = os.path.join(CACHE, dist, version, module + ".py")
-    if os.path.exists(cached):
-        text = open(cached, encoding="utf-8").read()
-        return None if text == ABSENT else text
-    names, read = _members(dist, version, files)
-    text = None
-    for path in module_paths(module):
-        # Wheels hold the package at the root; sdists under NAME-VERSION/ (sometimes src/).
-        hits = [n for n in names if n == path or n.endswith("/" + path)]
-        if hits:
-            text = read(min(hits, key=len))
-            break
-    os.makedirs(os.path.dirname(cached), exist_ok=True)
-    with open(cached, "w", encoding="utf-8") as out:
-        out.write(ABSENT if text is None else text)
-    return text
+    with _lock:
+        lock = _module_locks.setdefault(cached, threading.Lock())
+    with lock:
+        if os.path.exists(cached):
+            text = open(cached, encoding="utf-8").read()
+            return None if text == ABSENT else text
+        names, read = _members(dist, version, files)
+        text = None
+        for path in module_paths(module):
+            # Wheels hold the package at the root; sdists under NAME-VERSION/ (sometimes src/).
+            hits = [n for n in names if n == path or n.endswith("/" + path)]
+            if hits:
+                text = read(min(hits, key=len))
+                break
+        os.makedirs(os.path.dirname(cached), exist_ok=True)
+        partial = cached + ".partial"
+        with open(partial, "w", encoding="utf-8") as out:
+            out.write(ABSENT if text is None else text)
+        os.replace(partial, cached)
+        return text
 
 
 def _label_range(label):
