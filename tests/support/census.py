@@ -28,8 +28,8 @@ import urllib.request
 import zipfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CACHE = os.environ.get("FSDP2_COMPAT_CENSUS_CACHE") or os.path.join(REPO, ".venv", "census")
-INDEX = os.environ.get("FSDP2_COMPAT_CENSUS_INDEX", "https://pypi.org/pypi")
+CACHE = os.environ.get("FSDP2_CI_CENSUS_CACHE") or os.path.join(REPO, ".venv", "census")
+INDEX = os.environ.get("FSDP2_CI_CENSUS_INDEX", "https://pypi.org/pypi")
 TIMEOUT = 60
 ABSENT = "\0absent\0"
 
