@@ -83,9 +83,9 @@ def release_source(tmp_path_factory):
 
     The installed package when its version matches (read only), else the
     wheel from PyPI, downloaded once into a cache that outlives the session
-    (``FSDP2_COMPAT_WHEEL_CACHE``, default ``$TMPDIR/fsdp2-compat-wheels``).
+    (``FSDP2_CI_WHEEL_CACHE``, default ``$TMPDIR/fsdp2-compat-wheels``).
     """
-    cache = os.environ.get("FSDP2_COMPAT_WHEEL_CACHE") or os.path.join(tempfile.gettempdir(), "fsdp2-compat-wheels")
+    cache = os.environ.get("FSDP2_CI_WHEEL_CACHE") or os.path.join(tempfile.gettempdir(), "fsdp2-compat-wheels")
     roots, failures = {}, {}
 
     def get(dist, version):
