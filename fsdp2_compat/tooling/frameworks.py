@@ -1,11 +1,13 @@
 """Import each framework's FSDP2 module and shard a model through its own entry point.
 
 ``import_fsdp_utils(framework)`` imports ``Integration.wrap_module``.
-``shard(framework, model, world)`` runs, in a process whose default gloo group
-spans ``world`` ranks:
+``shard(framework, model, world, precision=None)`` runs, in a process whose
+default gloo group spans ``world`` ranks:
 
 - verl, skyrl, skyrl-train: ``fsdp_utils.apply_fsdp2(model, {"mesh": mesh}, {})``
-  on a 1-D mesh named ``fsdp`` (as verl and SkyRL name it);
+  on a 1-D mesh named ``fsdp`` (as verl and SkyRL name it); with a
+  ``precision``, the caller's ``mp_policy`` in those kwargs, as their engines
+  pass it;
 - areal: ``parallelize_model`` from ``areal.engine.fsdp_utils.parallel``, the
   function ``FSDPEngine`` calls, with AReaL's own ``ParallelHelper`` over
   ``FSDPParallelStrategy(data_parallel_size=world)`` (its world mesh, flattened
@@ -13,13 +15,19 @@ spans ``world`` ranks:
   ``FSDPWrapPolicy()``; it imported ``apply_fsdp2`` by name, so this runs
   through the alias the engine rebinds;
 - llamafactory: ``FSDP2Engine({"name": "fsdp2"}, bf16=False).prepare_model(model)``,
-  the engine built by its own ``__init__``.  Its ``DistributedInterface``
+  the engine built by its own ``__init__`` (``precision="bf16"``: ``bf16=True``,
+  as its trainer passes its ``bf16`` argument; the engine then picks bf16
+  params / fp32 reduce itself).  Its ``DistributedInterface``
   (a singleton) calls ``init_process_group`` itself from ``RANK`` /
   ``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT`` and builds its own
   ``(mp_replicate, mp_shard)`` mesh, so the caller's group is handed over
   first: rank 0 picks a free local port and broadcasts it, the group is
   destroyed, and LLaMA-Factory initialises the replacement (gloo, env://).
   The caller's ``destroy_process_group()`` then destroys that one.
+
+``precision`` names one policy for all of them: ``"bf16"`` is bf16 params with
+an fp32 reduce (each framework's own bf16 default), ``"fp32"`` fp32 both;
+``None`` is each entry point's call above without one.
 
 Nothing here is CUDA-bound: AReaL's ``current_platform`` is its CPU platform
 and LLaMA-Factory's accelerator helper falls back to CPU on a CPU-only torch.
@@ -37,18 +45,39 @@ def entry_name(framework):
     return ENTRY.get(framework, "apply_fsdp2")
 
 
-def shard(framework, model, world):
-    """Shard ``model`` in place through ``framework``'s own entry point; returns the model."""
+PRECISIONS = ("bf16", "fp32")
+
+
+def shard(framework, model, world, precision=None):
+    """Shard ``model`` in place through ``framework``'s own entry point; returns the model.
+
+    ``precision``: None, or one of ``PRECISIONS`` (see the module docstring),
+    given to each framework the way its own engine gives it.
+    """
+    if precision is not None and precision not in PRECISIONS:
+        raise ValueError("precision %r: one of %s" % (precision, PRECISIONS))
     if framework == "areal":
-        return _areal(model, world)
+        return _areal(model, world, precision)
     if framework == "llamafactory":
-        return _llamafactory(model, world)
+        return llamafactory_engine(world, bf16=precision == "bf16").prepare_model(model)
     from torch.distributed.device_mesh import init_device_mesh
 
     fsdp_utils = import_fsdp_utils(framework)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
-    fsdp_utils.apply_fsdp2(model, {"mesh": mesh}, {})
+    kwargs = {"mesh": mesh}
+    if precision is not None:
+        kwargs["mp_policy"] = mp_policy(precision)
+    fsdp_utils.apply_fsdp2(model, kwargs, {})
     return model
+
+
+def mp_policy(precision):
+    """The ``MixedPrecisionPolicy`` a ``precision`` names: bf16 or fp32 params, always an fp32 reduce."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    low = torch.bfloat16 if precision == "bf16" else torch.float32
+    return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
 
 
 def import_fsdp_utils(framework):
@@ -111,7 +140,7 @@ def ensure_skyrl_backends_package():
 _areal_helpers = {}  # (id of the default group, world) -> ParallelHelper (its mesh is built once)
 
 
-def _areal(model, world):
+def _areal(model, world, precision=None):
     import torch.distributed as dist
     from areal.api import FSDPParallelStrategy
     from areal.api.cli_args import FSDPWrapPolicy, TrainEngineConfig
@@ -123,7 +152,7 @@ def _areal(model, world):
         helper = ParallelHelper.from_parallel_strategy(FSDPParallelStrategy(data_parallel_size=world))
         _areal_helpers.clear()
         _areal_helpers[key] = helper
-    config = TrainEngineConfig(dtype="float32", grad_reduce_dtype="float32")
+    config = TrainEngineConfig(dtype="bfloat16" if precision == "bf16" else "float32", grad_reduce_dtype="float32")
     parallelize_model(model, config, model.config, helper.world_mesh, helper, cpu_offload=None,
                       wrap_policy=FSDPWrapPolicy())
     return model
@@ -132,12 +161,8 @@ def _areal(model, world):
 _lf_group = []  # the default group LLaMA-Factory's DistributedInterface created in this process
 
 
-def _llamafactory(model, world):
-    return llamafactory_engine(world).prepare_model(model)
-
-
-def llamafactory_engine(world):
-    """``FSDP2Engine({"name": "fsdp2"}, bf16=False)`` on the process group LLaMA-Factory created itself."""
+def llamafactory_engine(world, bf16=False):
+    """``FSDP2Engine({"name": "fsdp2"}, bf16=bf16)`` on the process group LLaMA-Factory created itself."""
     import torch.distributed as dist
     from llamafactory.v1.accelerator.interface import DistributedInterface
     from llamafactory.v1.plugins.trainer_plugins.distributed import fsdp2
@@ -146,7 +171,7 @@ def llamafactory_engine(world):
     interface = DistributedInterface._instance
     if not (interface is not None and interface._initialized and _lf_group and current is _lf_group[0]):
         _hand_over_group(DistributedInterface, world)
-    return fsdp2.FSDP2Engine({"name": "fsdp2"}, bf16=False)
+    return fsdp2.FSDP2Engine({"name": "fsdp2"}, bf16=bf16)
 
 
 def _free_port():

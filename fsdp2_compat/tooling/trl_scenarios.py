@@ -19,6 +19,10 @@ mean of every rank's loss (the data-parallel average), through
   ``_chunked_divergence_loss`` on a real instance (``__init__`` skipped: it
   generates completions), the teacher prepared as ``__init__`` prepares it.
 
+``prepare_for_accumulation`` prepares a model the same way for the
+gradient-accumulation proofs (``tests/support/accum_jobs``), which defer the
+sync in ``accelerator.no_sync`` as transformers' ``Trainer`` does.
+
 CPU stand-in, the only one (``cpu_fsdp``): accelerate selects
 ``DistributedType.FSDP`` only inside the branch of ``AcceleratorState.__init__``
 for GPU-like devices; on CPU it says ``MULTI_CPU`` and drops the FSDP plugin.
@@ -72,17 +76,63 @@ def rank_env(rank, world):
                       MASTER_ADDR="127.0.0.1", MASTER_PORT="29599")
 
 
-def make_accelerator(bf16=False):
-    """``Accelerator`` with an FSDP2 plugin wrapping the ``_no_split_modules`` layers (call inside ``cpu_fsdp``)."""
+def make_accelerator(bf16=False, mixed_precision_policy=None):
+    """``Accelerator`` with an FSDP2 plugin wrapping the ``_no_split_modules`` layers (call inside ``cpu_fsdp``).
+
+    ``mixed_precision_policy``: given to the plugin as a user's config gives it
+    (a dict of dtypes); without one, ``bf16`` makes accelerate derive the policy
+    from ``mixed_precision="bf16"`` (bf16 params *and* reduce).
+    """
     from accelerate import Accelerator
     from accelerate.utils import FullyShardedDataParallelPlugin
 
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, reshard_after_forward=True,
-                                            auto_wrap_policy="transformer_based_wrap")
+                                            auto_wrap_policy="transformer_based_wrap",
+                                            mixed_precision_policy=mixed_precision_policy)
     acc = Accelerator(cpu=True, fsdp_plugin=plugin, mixed_precision="bf16" if bf16 else "no")
     if not acc.is_fsdp2:
         raise RuntimeError("accelerate did not select FSDP2 (%s)" % acc.distributed_type)
     return acc
+
+
+def _accumulation_precisions():
+    import torch
+
+    return {
+        # bf16 params, fp32 reduce: the one policy where torch's deferred accumulation upcasts
+        # (set on the plugin, the only way accelerate takes a reduce dtype unlike the params')
+        "bf16": (True, {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32,
+                        "output_dtype": torch.bfloat16}),
+        "bf16-reduce": (True, None),  # accelerate's own policy for mixed_precision="bf16"
+        "fp32": (False, None),  # mixed_precision="no": MixedPrecisionPolicy()
+    }
+
+
+ACCUMULATION_PRECISIONS = ("bf16", "bf16-reduce", "fp32")
+
+
+def prepare_for_accumulation(rank, world, model, precision):
+    """``model`` prepared by a fresh ``Accelerator`` (FSDP2 plugin) as TRL's trainers get it; ``(model, accelerator)``.
+
+    ``precision``: one of ``ACCUMULATION_PRECISIONS``.  Gradient accumulation
+    then goes as in transformers' ``Trainer`` training loop: every micro-batch
+    but a step's last under ``accelerator.no_sync(model)``, which for FSDP2 is
+    ``model.set_requires_gradient_sync(False)`` (``True`` again on exit);
+    ``accelerator.accumulate`` enters the same ``no_sync``.  accelerate's shared
+    state is reset first: it refuses a second ``Accelerator`` with another
+    ``mixed_precision`` in one process, and several cases share the rank
+    processes (the process group itself stays).
+    """
+    import torch
+    from accelerate.state import AcceleratorState
+
+    bf16, policy = _accumulation_precisions()[precision]
+    rank_env(rank, world)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    with cpu_fsdp():
+        acc = make_accelerator(bf16, policy)
+    model, _ = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.05))  # accelerate's FSDP2 needs both
+    return model, acc
 
 
 def grpo_loss(out, advantages, eps=0.2):

@@ -5,16 +5,29 @@ SkyRL's default policy) unless said otherwise, an unsharded fp32 reference
 trained on the data-parallel average (``support.accum_jobs``).  Three levels:
 
 - pure torch (``fully_shard`` on a toy): the two bugs and the fix, no framework;
-- GLM-4.1V and Qwen3-VL through each installed framework's own ``apply_fsdp2``,
-  plain transformers forwards, step 0 = [text-only (deferred), image], step 1 =
-  [image, text-only (deferred), image];
+- GLM-4.1V and Qwen3-VL through each installed framework's own wrapping (verl's
+  and SkyRL's ``apply_fsdp2``, AReaL's ``parallelize_model``, LLaMA-Factory's
+  ``FSDP2Engine.prepare_model``, accelerate's ``Accelerator.prepare`` as TRL's
+  trainers use it, deferring in ``accelerator.no_sync``), plain transformers
+  forwards, step 0 = [text-only (deferred), image], step 1 = [image, text-only
+  (deferred), image];
 - verl issue #7520's setup: verl's fused kernels (``apply_monkey_patch``), untied
   ``lm_head`` as its own unit, deferred sync, 2-3 micro-batches.
 
 Unpatched the deferred text-only micro-batch crashes (``AttributeError``); the
 first seam alone meets the second bug (the mixed-dtype assertion) or, for
 #7520, hides the crash behind an un-averaged ``lm_head`` gradient; patched,
-every gradient is the data-parallel average.
+every gradient is the data-parallel average.  Where a framework's path differs:
+
+- accelerate's own policy for ``mixed_precision="bf16"`` (the only one
+  transformers' Trainer gives it) reduces in bf16, where torch needs no upcast:
+  there unpatched deferred sync is already right (to bf16 rounding); the bugs
+  need a plugin policy with an fp32 reduce;
+- AReaL's and LLaMA-Factory's engines never defer the sync themselves (one
+  ``backward`` per micro-batch, synchronised): their "every" runs are their
+  engines' loop, the deferred ones what a custom loop on their wrapping meets;
+- LLaMA-Factory with Qwen3-VL on transformers 5.x cannot run bf16 at all
+  (``_bf16_cannot_run``): proven in fp32, and the bf16 crash unpatched.
 """
 
 import re
@@ -104,16 +117,27 @@ USER_PATCH = {f: registry.for_model_type(f).name for f in FAMILIES}
 WITHOUT_TORCH_FIX = {"glm4v": ["t-selection"], "qwen3_vl": None}  # GLM-4.1V needs the selection fix to run at all
 GUARD_ONLY = {"glm4v": ["t-selection-guard"], "qwen3_vl": ["t-guard"]}
 PAIRS = [("bf16 deferred", "bf16 every"), ("fp32 deferred", "fp32 every")]
-APPLY_FSDP2_WITH_POLICY = ("verl", "skyrl", "skyrl-train")
+# accelerate's wrapping is not a selection target (its transformer_based_wrap gives GLM-4.1V's
+# vision embeddings no unit of their own): there "without the torch fix" is plain upstream.
+ACCELERATE = "accelerate"
+# How a precision reaches each wrapping ("bf16": bf16 params, fp32 reduce): verl and SkyRL take
+# the caller's MixedPrecisionPolicy, AReaL its TrainEngineConfig dtype, LLaMA-Factory its
+# bf16 argument (``frameworks.shard``), accelerate its plugin's policy (``trl_scenarios``).
+TRL = guards.installed_version("trl")
 
 
-def _cases(family):
+def _cases(framework, family):
     patch = [USER_PATCH[family]]
+    policies = ("bf16", "fp32") + (("bf16-reduce",) if framework == ACCELERATE else ())
     cases = [("%s %s" % (policy, sync), patch, policy, sync, "mixed")
-             for policy in ("bf16", "fp32") for sync in ("deferred", "every")]
+             for policy in policies for sync in ("deferred", "every")]
+    guard, unpatched = GUARD_ONLY[family], WITHOUT_TORCH_FIX[family]
+    if framework == ACCELERATE:
+        guard, unpatched = ["t-guard"], None
+        cases.append(("bf16-reduce unpatched", None, "bf16-reduce", "deferred", "mixed"))
     # The failing runs last: a crashed backward leaves nothing behind for the next case, but why risk it.
-    return cases + [("guard only", GUARD_ONLY[family], "bf16", "deferred", "mixed"),
-                    ("unpatched", WITHOUT_TORCH_FIX[family], "bf16", "deferred", "mixed")]
+    return cases + [("guard only", guard, "bf16", "deferred", "mixed"),
+                    ("unpatched", unpatched, "bf16", "deferred", "mixed")]
 
 
 _RESULTS = {}
@@ -122,7 +146,9 @@ _RESULTS = {}
 def _framework_results(framework, family):
     key = (framework, family)
     if key not in _RESULTS:
-        _RESULTS[key] = run_ranks(accum_jobs.accumulation_cases, 2, framework, family, _cases(family), PAIRS)
+        pairs = PAIRS + ([("bf16-reduce deferred", "bf16-reduce every")] if framework == ACCELERATE else [])
+        _RESULTS[key] = run_ranks(accum_jobs.accumulation_cases, 2, framework, family, _cases(framework, family),
+                                  pairs)
     return _RESULTS[key]
 
 
@@ -130,23 +156,50 @@ def _framework_params():
     from fsdp2_compat.tooling import tiny
 
     out = []
-    # verl's and SkyRL's apply_fsdp2 take the caller's MixedPrecisionPolicy; AReaL and LLaMA-Factory
-    # build theirs from their own configs through other entry points (not run here).
-    for integration in [i for i in integrations.wrapping() if i.dist in APPLY_FSDP2_WITH_POLICY]:
+    wrappers = [(i.dist, None if guards.installed_version(i.dist) else "%s not in this pinned set" % i.dist)
+                for i in integrations.wrapping()]
+    # accelerate is in most sets (a peft dependency); its FSDP2 path is proven where TRL, its user, is.
+    wrappers.append((ACCELERATE, None if TRL else "trl not in this pinned set (accelerate's FSDP2 preparation "
+                     "is proven as TRL's trainers use it)"))
+    for framework, missing in wrappers:
         for family in FAMILIES:
-            reason = None
-            if guards.installed_version(integration.dist) is None:
-                reason = "%s not in this pinned set" % integration.dist
-            elif tiny.wrappable(family) is not True:
+            reason = missing
+            if reason is None and tiny.wrappable(family) is not True:
                 reason = str(tiny.wrappable(family))
-            marks = [pytest.mark.xdist_group("accum-%s-%s" % (integration.dist, family))]  # one run serves them all
+            marks = [pytest.mark.xdist_group("accum-%s-%s" % (framework, family))]  # one run serves them all
             if reason:
                 marks.append(pytest.mark.skip(reason=reason))
-            out.append(pytest.param(integration.dist, family, marks=marks, id="%s-%s" % (integration.dist, family)))
+            out.append(pytest.param(framework, family, marks=marks, id="%s-%s" % (framework, family)))
     return out
 
 
 FRAMEWORK_FAMILIES = _framework_params()
+
+
+def _bf16_cannot_run(framework, family):
+    """Why ``framework``'s bf16 run of ``family`` stops before any accumulation is reached, or None.
+
+    LLaMA-Factory 0.9.5 looks its one layer class up in ``_no_split_modules``,
+    a set on transformers 5.x that its lookup cannot read; only patches with
+    the layer-class lookup target fix that.  Without it the vision blocks stay
+    in the root unit, whose bf16 forward gives them the fp32 output of the
+    vision ``pos_embed`` unit (Qwen3-VL): a bf16 LayerNorm on fp32 input.
+    """
+    from fsdp2_compat.integrations import llamafactory
+
+    if framework != "llamafactory" or llamafactory.LAYER_CLASS_LOOKUP in registry.patch(USER_PATCH[family]).targets:
+        return None
+    if guards.installed_version("llamafactory") is None:
+        return None
+    if not guards.in_range(guards.installed_version("transformers"), ">=5.0.0rc0"):
+        return None
+    return ("llamafactory %s finds no layer class in transformers 5.x's set _no_split_modules and the %s patch has "
+            "no layer-class lookup target: the %s vision blocks stay in the root unit and their bf16 LayerNorm gets "
+            "fp32 input (%s), patched or not" % (guards.installed_version("llamafactory"), USER_PATCH[family],
+                                                 family, LAYERNORM_ERROR))
+
+
+LAYERNORM_ERROR = "RuntimeError: mixed dtype (CPU): expect parameter to have scalar type of Float"
 
 
 @pytest.mark.parametrize("framework,family", FRAMEWORK_FAMILIES)
@@ -154,12 +207,15 @@ def test_unpatched_text_only_deferred_micro_batch_crashes_on_the_vision_tower(fr
     results = _framework_results(framework, family)
     for r in results:
         assert r["unpatched"]["error"] == "step 0: " + ATTRIBUTE_ERROR, r["unpatched"]["error"]
-        # the trigger: after the text-only micro-batch the vision blocks were never all-gathered
-        assert "model.visual.blocks.0" in r["bf16 deferred"]["never_gathered_after_first"], r["bf16 deferred"]
+        # the trigger: after the text-only micro-batch no unit of the vision tower was ever all-gathered
+        vision_units = [u for u in r["bf16 deferred"]["wrapped"] if u.startswith("model.visual.")]
+        assert vision_units and r["bf16 deferred"]["never_gathered_after_first"] == vision_units, r["bf16 deferred"]
 
 
 @pytest.mark.parametrize("framework,family", FRAMEWORK_FAMILIES)
 def test_the_guard_alone_meets_the_mixed_dtype_assertion_in_the_root_unit(framework, family):
+    if _bf16_cannot_run(framework, family):
+        pytest.skip(_bf16_cannot_run(framework, family))
     for r in _framework_results(framework, family):
         error = r["guard only"]["error"]
         assert error is not None and error.startswith("step 0: ") and MIXED_DTYPES.match(error[8:]), error
@@ -169,6 +225,8 @@ def test_the_guard_alone_meets_the_mixed_dtype_assertion_in_the_root_unit(framew
 @pytest.mark.parametrize("sync", ["deferred", "every"])
 @pytest.mark.parametrize("policy", ["bf16", "fp32"])
 def test_patched_mixed_micro_batches_match_the_dp_average(framework, family, policy, sync):
+    if policy == "bf16" and _bf16_cannot_run(framework, family):
+        pytest.skip(_bf16_cannot_run(framework, family))
     results = _framework_results(framework, family)
     for rank, r in enumerate(results):
         _close(r["%s %s" % (policy, sync)], policy, "%s %s %s %s rank %d" % (framework, family, policy, sync, rank))
@@ -178,9 +236,40 @@ def test_patched_mixed_micro_batches_match_the_dp_average(framework, family, pol
 
 @pytest.mark.parametrize("framework,family", FRAMEWORK_FAMILIES)
 def test_deferred_sync_reduces_what_sync_on_every_micro_batch_reduces(framework, family):
+    pairs = PAIRS[1:] if _bf16_cannot_run(framework, family) else PAIRS
     for r in _framework_results(framework, family):
-        for a, b in PAIRS:
+        for a, b in pairs:
             assert r["%s vs %s" % (a, b)] < 1e-6, (a, b, r["%s vs %s" % (a, b)])
+
+
+@pytest.mark.parametrize("framework,family", [p for p in FRAMEWORK_FAMILIES if p.values[0] == "llamafactory"])
+def test_llamafactory_bf16_without_its_layer_class_lookup_fix_stops_at_the_vision_layernorm(framework, family):
+    """Not an accumulation bug: the first image forward fails, deferred or not, with our torch fixes or not
+    (the text-only micro-batch before it still crashes unpatched: the test above)."""
+    if not _bf16_cannot_run(framework, family):
+        pytest.skip("the %s patch lets LLaMA-Factory find %s's layer classes here: bf16 is proven above"
+                    % (USER_PATCH[family], family))
+    for r in _framework_results(framework, family):
+        assert not any(".blocks." in u or ".layers." in u for u in r["bf16 deferred"]["wrapped"]), r["bf16 deferred"]
+        for case in ("bf16 deferred", "bf16 every", "guard only"):
+            assert r[case]["error"] == "step 0: " + LAYERNORM_ERROR, (case, r[case]["error"])
+
+
+@pytest.mark.parametrize("framework,family", [p for p in FRAMEWORK_FAMILIES if p.values[0] == ACCELERATE])
+def test_accelerate_bf16_reduces_in_bf16_so_unpatched_deferred_sync_already_matches_the_dp_average(framework, family):
+    """accelerate derives ``MixedPrecisionPolicy(bf16, bf16)`` from ``mixed_precision="bf16"`` (transformers'
+    Trainer passes no other): torch clamps an equal reduce dtype to None, so ``to_accumulated_grad_if_needed``
+    returns before it reads ``_unsharded_param`` and every gradient is bf16.  The deferred micro-batches then
+    accumulate in bf16, which sync on every micro-batch does not: the two agree only to bf16 rounding."""
+    for rank, r in enumerate(_framework_results(framework, family)):
+        unpatched = r["bf16-reduce unpatched"]
+        assert unpatched["policies"] == [["torch.bfloat16", "torch.bfloat16"]], unpatched["policies"]
+        assert r["bf16 deferred"]["policies"] == [["torch.bfloat16", "torch.float32"]], r["bf16 deferred"]["policies"]
+        # the same trigger as under the crashing policy
+        assert unpatched["never_gathered_after_first"] == r["bf16 deferred"]["never_gathered_after_first"], unpatched
+        for case in ("bf16-reduce unpatched", "bf16-reduce deferred", "bf16-reduce every"):
+            _close(r[case], "bf16", "%s %s rank %d" % (family, case, rank))
+        assert 0 < r["bf16-reduce deferred vs bf16-reduce every"] < BF16_GRAD, r["bf16-reduce deferred vs bf16-reduce every"]
 
 
 # ---------------------------------------------------------------------------

@@ -8,7 +8,8 @@ A case trains optimizer steps made of micro-batches through
 ``fsdp2_compat.tooling.scenarios.train_against_reference``: every rank gets
 different data, the unsharded fp32 reference trains on the data-parallel
 average, and gradient sync is deferred on every micro-batch but the last of a
-step (``sync="deferred"``, as verl's ``use_no_sync_for_gradient_accumulation``)
+step (``sync="deferred"``, as verl's ``use_no_sync_for_gradient_accumulation``;
+through accelerate, inside ``accelerator.no_sync`` as transformers' Trainer)
 or on none (``sync="every"``).  "text" micro-batches carry no image (every
 image token replaced by text), "image" ones an image; the pattern is the same
 on every rank, as FSDP needs (a unit's all-gather is a collective).
@@ -17,6 +18,8 @@ Test-only catalogue entries (``TEST_PATCHES``) select single targets through
 the real engine, to show what each seam alone does: registered in the rank
 process only, like the toy patches of ``tests/core/conftest.py``.
 """
+
+import contextlib
 
 from fsdp2_compat.tooling.scenarios import first_line, full_value, fused_loss, train_against_reference
 
@@ -135,6 +138,15 @@ def never_gathered_units(model):
     return sorted(set(out))
 
 
+def _policies(model):
+    """The ``[param_dtype, reduce_dtype]`` pairs of the model's FSDP units, as their wrapping set them."""
+    from torch.distributed.fsdp import FSDPModule
+
+    pairs = {(str(g.mp_policy.param_dtype), str(g.mp_policy.reduce_dtype))
+             for m in model.modules() if isinstance(m, FSDPModule) for g in _groups(m)}
+    return [list(p) for p in sorted(pairs)]
+
+
 def _groups(module):
     state = module._get_fsdp_state()
     groups = getattr(state, "_fsdp_param_groups", None)
@@ -143,12 +155,36 @@ def _groups(module):
     return groups
 
 
-def _policy(name):
-    import torch
-    from torch.distributed.fsdp import MixedPrecisionPolicy
+def _prepare(rank, world, framework, model, policy):
+    """``model`` sharded through ``framework``'s own entry point, and the context in which
+    its trainer runs a micro-batch whose gradient sync is deferred: ``(model, no_sync)``.
 
-    low = torch.bfloat16 if name == "bf16" else torch.float32
-    return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
+    ``framework``: a wrapping integration (``frameworks.shard``: verl's / SkyRL's
+    ``apply_fsdp2``, AReaL's ``parallelize_model``, LLaMA-Factory's
+    ``FSDP2Engine.prepare_model``), its deferral FSDP2's own switch; or
+    ``"accelerate"`` (``trl_scenarios.prepare_for_accumulation``), its deferral
+    ``accelerator.no_sync(model)``.
+    """
+    if framework == "accelerate":
+        from fsdp2_compat.tooling import trl_scenarios
+
+        model, accelerator = trl_scenarios.prepare_for_accumulation(rank, world, model, policy)
+        return model, lambda: accelerator.no_sync(model)
+    from fsdp2_compat.tooling import frameworks
+
+    frameworks.shard(framework, model, world, policy)
+    return model, lambda: _requires_no_gradient_sync(model)
+
+
+@contextlib.contextmanager
+def _requires_no_gradient_sync(model):
+    # What verl's use_no_sync_for_gradient_accumulation does around a micro-batch (AReaL's and
+    # LLaMA-Factory's engines never defer: this is the same switch a user's loop would set).
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 def _build(family, fused):
@@ -186,25 +222,23 @@ def _one_case(rank, world, framework, family, fused, patches, policy, sync, step
     """
     import copy
 
-    from torch.distributed.device_mesh import init_device_mesh
-
     import fsdp2_compat
     from fsdp2_compat.fixes import gather
     from fsdp2_compat.tooling import scenarios
 
     if patches:
         fsdp2_compat.apply(patches)
-    fsdp_utils = scenarios.import_fsdp_utils(framework)
+    if framework != "accelerate":
+        scenarios.import_fsdp_utils(framework)  # the wrapping module first, as a trainer imports it
     model = _build(family, fused)
     if chunked:  # before sharding, as verl installs its forwards; restored after the run
         model_class = type(model)
         saved_forward = model_class.__dict__["forward"]
         model_class.forward = chunked_head_forward
     reference = copy.deepcopy(model)
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
-    fsdp_utils.apply_fsdp2(model, {"mesh": mesh, "mp_policy": _policy(policy)}, {})
-    result = {"wrapped": scenarios.wrapped_module_names(model), "error": None, "losses": [], "loss_err": 0.0,
-              "grad_err": 0.0, "worst_grad": None, "param_err": 0.0, "grads_checked": 0, "lm_head_grad_err": 0.0,
+    model, no_sync = _prepare(rank, world, framework, model, policy)
+    result = {"wrapped": scenarios.wrapped_module_names(model), "policies": _policies(model), "error": None,
+              "losses": [], "loss_err": 0.0, "grad_err": 0.0, "worst_grad": None, "param_err": 0.0, "grads_checked": 0, "lm_head_grad_err": 0.0,
               "never_gathered_after_first": None, "grads": [], "lm_head_sharded_after_backward": []}
     releases_before = gather.STATS["early_releases"]
     lm_head = getattr(model, "lm_head", None)
@@ -214,7 +248,7 @@ def _one_case(rank, world, framework, family, fused, patches, policy, sync, step
     def after_backward():
         if lm_group is not None:
             result["lm_head_sharded_after_backward"].append(lm_group.is_sharded)
-    if policy == "bf16":
+    if policy != "fp32":
         result.update(grad_rel_to_max=0.0, worst_rel_to_max=None)
 
     def forward_loss(module, batch):
@@ -229,14 +263,14 @@ def _one_case(rank, world, framework, family, fused, patches, policy, sync, step
         sharded = module is model
         n = len(micro_batches)
         for i, batch in enumerate(micro_batches):
-            if sharded:
-                model.set_requires_gradient_sync(sync == "every" or i == n - 1)
-            loss = forward_loss(module, batch) / n
-            if i < n - 1:
-                (loss if sharded else loss / world).backward()
-                if sharded:
-                    after_backward()
-                if sharded and result["never_gathered_after_first"] is None:
+            deferred = sharded and sync == "deferred" and i < n - 1
+            with no_sync() if deferred else contextlib.nullcontext():  # forward and backward, as the trainers
+                loss = forward_loss(module, batch) / n
+                if i < n - 1:
+                    (loss if sharded else loss / world).backward()
+            if sharded and i < n - 1:
+                after_backward()
+                if result["never_gathered_after_first"] is None:
                     result["never_gathered_after_first"] = never_gathered_units(model)
         return loss, None
 
@@ -264,8 +298,11 @@ def _one_case(rank, world, framework, family, fused, patches, policy, sync, step
 def accumulation_cases(rank, world, framework, family, cases, pairs=(), fused=False, chunked=False):
     """Run ``cases`` ``[(name, patches, policy, sync, steps)]`` in order; ``{name: result}``.
 
+    ``framework``: as for ``_prepare`` (the fused and chunked runs: verl).
     ``patches``: a list of catalogue names (the test-only ones included) or
-    None; ``policy``: "bf16" (bf16 params, fp32 reduce) or "fp32"; ``steps``:
+    None; ``policy``: "bf16" (bf16 params, fp32 reduce) or "fp32", given to the
+    framework its own way (``frameworks.shard``), and for accelerate also
+    "bf16-reduce" (its own bf16 policy, ``trl_scenarios``); ``steps``:
     "mixed" (``STEPS``) or "text" (``TEXT_STEPS``).  For each ``(a, b)`` of
     ``pairs``, ``"a vs b"`` is the worst ``max |a-b|/(1+|b|)`` between the
     gradients of the two cases, step by step (e.g. deferred vs every-micro-batch
@@ -312,6 +349,7 @@ def toy_accumulation(rank, world, patches, unused=False, sync="deferred"):
     from torch.distributed.fsdp import fully_shard
 
     import fsdp2_compat
+    from fsdp2_compat.tooling.frameworks import mp_policy
     from fsdp2_compat.tooling.scenarios import rel_err
 
     register_test_patches()
@@ -335,8 +373,8 @@ def toy_accumulation(rank, world, patches, unused=False, sync="deferred"):
     model = Toy()
     reference = copy.deepcopy(model)
     mesh = init_device_mesh("cpu", (world,))
-    fully_shard(model.tower, mesh=mesh, mp_policy=_policy("bf16"))
-    fully_shard(model, mesh=mesh, mp_policy=_policy("bf16"))
+    fully_shard(model.tower, mesh=mesh, mp_policy=mp_policy("bf16"))
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy("bf16"))
     gen = torch.Generator().manual_seed(7)
     data = [(torch.randn(4, 8, generator=gen), torch.randn(4, 8, generator=gen)) for _ in range(world)]
     result = {"error": None, "grad_err": None}
