@@ -16,17 +16,24 @@ Rules that need the whole catalogue live here too (``siblings``).
 from .integrations import areal, llamafactory, skyrl, torch_fsdp, trl, verl
 from .core.records import Patch
 
+# LLaMA-Factory 0.9.5's layer-class lookup, which ignores transformers 5.x's set _no_split_modules:
+# no layer class is found, so a VLM's vision blocks stay in the root unit (Qwen3-VL in bf16 then
+# stops at its first image forward).  Carried with the selection, and by the VLM patches without it.
+LF_LAYER_LOOKUP = (llamafactory.LAYER_CLASS_LOOKUP,)
+
 # The corrected FSDP2 wrap selection, in every framework release that has the bug
-# (LLaMA-Factory: with its layer-class lookup, which ignores transformers 5.x's set).
-WRAP_SELECTION = (verl.WRAP_SELECTION_INLINE, verl.WRAP_SELECTION, skyrl.SKYRL, skyrl.SKYRL_TRAIN,
-                  areal.WRAP_SELECTION, llamafactory.WRAP_SELECTION, llamafactory.LAYER_CLASS_LOOKUP)
+# (LLaMA-Factory: with its layer-class lookup).
+SELECTION = (verl.WRAP_SELECTION_INLINE, verl.WRAP_SELECTION, skyrl.SKYRL, skyrl.SKYRL_TRAIN,
+             areal.WRAP_SELECTION, llamafactory.WRAP_SELECTION)
+WRAP_SELECTION = SELECTION + LF_LAYER_LOOKUP
 
 # torch FSDP2's gradient accumulation when a micro-batch leaves a unit unused
 # (a text-only micro-batch of a VLM; an lm_head read with full_tensor()):
 # carried by every multimodal patch.
 GRAD_ACCUMULATION = torch_fsdp.GRAD_ACCUMULATION
 
-_SELECTION_REFS = ("SkyRL issue #2087", "SkyRL PR #2088", "LLaMA-Factory PR #10656 (layer-class lookup, main only)")
+_LF_REFS = ("LLaMA-Factory PR #10656 (layer-class lookup, main only)",)
+_SELECTION_REFS = ("SkyRL issue #2087", "SkyRL PR #2088") + _LF_REFS
 _SELECTION_DELETE = (
     "when every framework release you run selects only layer classes and the untied "
     "input embedding for their own FSDP2 groups (SkyRL PR #2088 released; verl has no fix yet)"
@@ -51,6 +58,11 @@ TRL = trl.TARGETS
 _TRL_SYMPTOM = ("TRL (accelerate >= 1.14 FSDP2, untied): silently **unaveraged `lm_head` gradient** in the fused "
                 "LM head (SFT, GRPO, RLOO, DPO, KTO) and distillation losses")
 _TRL_DELETE = "when TRL reads lm_head.weight through FSDP (not plain full_tensor()) in every release you run"
+
+_LF_SYMPTOM = ("; LLaMA-Factory 0.9.5 on transformers 5.x: \"Could not identify Transformer Layer class\", the "
+               "vision blocks stay in the root unit (Qwen3-VL in bf16: `RuntimeError: mixed dtype (CPU)` in the vision "
+               "LayerNorm)")
+_LF_DELETE = "when LLaMA-Factory's layer-class lookup reads a set _no_split_modules (main: PR #10656) in your release"
 
 
 def _selection_patch(name, summary, model_types, extra=(), delete_when=_SELECTION_DELETE):
@@ -80,29 +92,32 @@ PATCHES = (
         name="qwen3vl",
         summary="verl fused kernels: `aten.mm.default` mixed Tensor/DTensor (0.7.1-0.8.0); silently **unaveraged "
         "`lm_head` gradient** from plain `full_tensor()` (0.9.x), and with a bf16 policy a dtype-mismatch crash; "
-        + _TRL_SYMPTOM + _ACCUM_SYMPTOM,
+        + _TRL_SYMPTOM + _LF_SYMPTOM + _ACCUM_SYMPTOM,
         model_types={"qwen3_vl": "Qwen3-VL", "qwen3_vl_moe": "Qwen3-VL-MoE"},
-        targets=verl.QWEN3_VL_FUSED + TRL + GRAD_ACCUMULATION,
-        references=_LM_HEAD_REFS + _ACCUM_REFS,
-        delete_when=_LM_HEAD_DELETE + "; and " + _TRL_DELETE + "; and " + _ACCUM_DELETE,
+        targets=verl.QWEN3_VL_FUSED + TRL + LF_LAYER_LOOKUP + GRAD_ACCUMULATION,
+        references=_LM_HEAD_REFS + _LF_REFS + _ACCUM_REFS,
+        delete_when=(_LM_HEAD_DELETE + "; and " + _TRL_DELETE + "; and " + _LF_DELETE + "; and "
+                     + _ACCUM_DELETE),
     ),
     Patch(
         name="qwen2vl",
         summary="verl fused kernels: `aten.mm.default` mixed Tensor/DTensor (the sharded `lm_head.weight` is read "
-        "raw); " + _TRL_SYMPTOM + _ACCUM_SYMPTOM,
+        "raw); " + _TRL_SYMPTOM + _LF_SYMPTOM + _ACCUM_SYMPTOM,
         model_types={"qwen2_vl": "Qwen2-VL", "qwen2_5_vl": "Qwen2.5-VL"},
-        targets=verl.QWEN2_VL_FUSED + TRL + GRAD_ACCUMULATION,
-        references=_LM_HEAD_REFS + _ACCUM_REFS,
-        delete_when=_LM_HEAD_DELETE + "; and " + _TRL_DELETE + "; and " + _ACCUM_DELETE,
+        targets=verl.QWEN2_VL_FUSED + TRL + LF_LAYER_LOOKUP + GRAD_ACCUMULATION,
+        references=_LM_HEAD_REFS + _LF_REFS + _ACCUM_REFS,
+        delete_when=(_LM_HEAD_DELETE + "; and " + _TRL_DELETE + "; and " + _LF_DELETE + "; and "
+                     + _ACCUM_DELETE),
     ),
     Patch(
         name="qwen35",
         summary="verl fused kernels: unaveraged `lm_head` gradient (plain `full_tensor()`); " + _TRL_SYMPTOM
-        + _ACCUM_SYMPTOM,
+        + _LF_SYMPTOM + _ACCUM_SYMPTOM,
         model_types={"qwen3_5": "Qwen3.5", "qwen3_5_moe": "Qwen3.5-MoE"},
-        targets=verl.QWEN3_5_FUSED + TRL + GRAD_ACCUMULATION,
-        references=_LM_HEAD_REFS + _ACCUM_REFS,
-        delete_when=_LM_HEAD_DELETE + "; and " + _TRL_DELETE + "; and " + _ACCUM_DELETE,
+        targets=verl.QWEN3_5_FUSED + TRL + LF_LAYER_LOOKUP + GRAD_ACCUMULATION,
+        references=_LM_HEAD_REFS + _LF_REFS + _ACCUM_REFS,
+        delete_when=(_LM_HEAD_DELETE + "; and " + _TRL_DELETE + "; and " + _LF_DELETE + "; and "
+                     + _ACCUM_DELETE),
     ),
     Patch(
         name="textlm",
@@ -240,8 +255,8 @@ def for_model_type(model_type):
 
 
 def fixes_selection(p):
-    """True when patch ``p`` carries the corrected wrap selection."""
-    keys = {t.key for t in WRAP_SELECTION}
+    """True when patch ``p`` carries the corrected wrap selection (the lookup alone is not one)."""
+    keys = {t.key for t in SELECTION}
     return any(t.key in keys for t in p.targets)
 
 

@@ -46,8 +46,12 @@ Two targets, fingerprinted separately:
 The crash fix does not need the lookup fix (and the lookup fix alone does
 not fix the crash; with it alone LFM2-VL fails at wrap time, because the
 first listed class is ``Siglip2VisionEmbeddings`` and upstream then shards
-its child ``position_embedding`` after it).  Both are carried by the same
-patches.
+its child ``position_embedding`` after it).  Both are carried by every
+selection patch; the VLM patches without a selection fix (``qwen3vl``,
+``qwen2vl``, ``qwen35``) carry the lookup alone, because without it Qwen3-VL's
+vision blocks stay in the root unit and in bf16 its first image forward fails
+(``mixed dtype (CPU)`` in a vision LayerNorm given the fp32 ``pos_embed``
+output; ``tests/integrations/test_grad_accumulation.py``).
 
 Upstream: LLaMA-Factory main rewrote ``get_transformer_layer_cls`` in PR
 #10656 ("[v1] Support multimodal data training", 2026-07-31) to return every

@@ -26,8 +26,9 @@ every gradient is the data-parallel average.  Where a framework's path differs:
 - AReaL's and LLaMA-Factory's engines never defer the sync themselves (one
   ``backward`` per micro-batch, synchronised): their "every" runs are their
   engines' loop, the deferred ones what a custom loop on their wrapping meets;
-- LLaMA-Factory with Qwen3-VL on transformers 5.x cannot run bf16 at all
-  (``_bf16_cannot_run``): proven in fp32, and the bf16 crash unpatched.
+- LLaMA-Factory 0.9.5 with Qwen3-VL on transformers 5.x runs bf16 only with its
+  layer-class lookup fixed (a target the ``qwen3vl`` patch carries); without
+  it the first image forward fails in the vision LayerNorm, shown beside.
 """
 
 import re
@@ -116,6 +117,9 @@ FAMILIES = ("glm4v", "qwen3_vl")
 USER_PATCH = {f: registry.for_model_type(f).name for f in FAMILIES}
 WITHOUT_TORCH_FIX = {"glm4v": ["t-selection"], "qwen3_vl": None}  # GLM-4.1V needs the selection fix to run at all
 GUARD_ONLY = {"glm4v": ["t-selection-guard"], "qwen3_vl": ["t-guard"]}
+# The user's patch without LLaMA-Factory's layer-class lookup target (``accum_jobs``): what the
+# lookup fix is for, shown where it matters (Qwen3-VL in bf16 on transformers 5.x).
+WITHOUT_LF_LOOKUP = {"qwen3_vl": "t-qwen3vl-without-lookup"}
 PAIRS = [("bf16 deferred", "bf16 every"), ("fp32 deferred", "fp32 every")]
 # accelerate's wrapping is not a selection target (its transformer_based_wrap gives GLM-4.1V's
 # vision embeddings no unit of their own): there "without the torch fix" is plain upstream.
@@ -135,6 +139,8 @@ def _cases(framework, family):
     if framework == ACCELERATE:
         guard, unpatched = ["t-guard"], None
         cases.append(("bf16-reduce unpatched", None, "bf16-reduce", "deferred", "mixed"))
+    if framework == "llamafactory" and family in WITHOUT_LF_LOOKUP:
+        cases.append(("bf16 without lookup", [WITHOUT_LF_LOOKUP[family]], "bf16", "deferred", "mixed"))
     # The failing runs last: a crashed backward leaves nothing behind for the next case, but why risk it.
     return cases + [("guard only", guard, "bf16", "deferred", "mixed"),
                     ("unpatched", unpatched, "bf16", "deferred", "mixed")]
@@ -176,29 +182,6 @@ def _framework_params():
 FRAMEWORK_FAMILIES = _framework_params()
 
 
-def _bf16_cannot_run(framework, family):
-    """Why ``framework``'s bf16 run of ``family`` stops before any accumulation is reached, or None.
-
-    LLaMA-Factory 0.9.5 looks its one layer class up in ``_no_split_modules``,
-    a set on transformers 5.x that its lookup cannot read; only patches with
-    the layer-class lookup target fix that.  Without it the vision blocks stay
-    in the root unit, whose bf16 forward gives them the fp32 output of the
-    vision ``pos_embed`` unit (Qwen3-VL): a bf16 LayerNorm on fp32 input.
-    """
-    from fsdp2_compat.integrations import llamafactory
-
-    if framework != "llamafactory" or llamafactory.LAYER_CLASS_LOOKUP in registry.patch(USER_PATCH[family]).targets:
-        return None
-    if guards.installed_version("llamafactory") is None:
-        return None
-    if not guards.in_range(guards.installed_version("transformers"), ">=5.0.0rc0"):
-        return None
-    return ("llamafactory %s finds no layer class in transformers 5.x's set _no_split_modules and the %s patch has "
-            "no layer-class lookup target: the %s vision blocks stay in the root unit and their bf16 LayerNorm gets "
-            "fp32 input (%s), patched or not" % (guards.installed_version("llamafactory"), USER_PATCH[family],
-                                                 family, LAYERNORM_ERROR))
-
-
 LAYERNORM_ERROR = "RuntimeError: mixed dtype (CPU): expect parameter to have scalar type of Float"
 
 
@@ -214,8 +197,6 @@ def test_unpatched_text_only_deferred_micro_batch_crashes_on_the_vision_tower(fr
 
 @pytest.mark.parametrize("framework,family", FRAMEWORK_FAMILIES)
 def test_the_guard_alone_meets_the_mixed_dtype_assertion_in_the_root_unit(framework, family):
-    if _bf16_cannot_run(framework, family):
-        pytest.skip(_bf16_cannot_run(framework, family))
     for r in _framework_results(framework, family):
         error = r["guard only"]["error"]
         assert error is not None and error.startswith("step 0: ") and MIXED_DTYPES.match(error[8:]), error
@@ -225,8 +206,6 @@ def test_the_guard_alone_meets_the_mixed_dtype_assertion_in_the_root_unit(framew
 @pytest.mark.parametrize("sync", ["deferred", "every"])
 @pytest.mark.parametrize("policy", ["bf16", "fp32"])
 def test_patched_mixed_micro_batches_match_the_dp_average(framework, family, policy, sync):
-    if policy == "bf16" and _bf16_cannot_run(framework, family):
-        pytest.skip(_bf16_cannot_run(framework, family))
     results = _framework_results(framework, family)
     for rank, r in enumerate(results):
         _close(r["%s %s" % (policy, sync)], policy, "%s %s %s %s rank %d" % (framework, family, policy, sync, rank))
@@ -236,23 +215,30 @@ def test_patched_mixed_micro_batches_match_the_dp_average(framework, family, pol
 
 @pytest.mark.parametrize("framework,family", FRAMEWORK_FAMILIES)
 def test_deferred_sync_reduces_what_sync_on_every_micro_batch_reduces(framework, family):
-    pairs = PAIRS[1:] if _bf16_cannot_run(framework, family) else PAIRS
     for r in _framework_results(framework, family):
-        for a, b in pairs:
+        for a, b in PAIRS:
             assert r["%s vs %s" % (a, b)] < 1e-6, (a, b, r["%s vs %s" % (a, b)])
 
 
-@pytest.mark.parametrize("framework,family", [p for p in FRAMEWORK_FAMILIES if p.values[0] == "llamafactory"])
-def test_llamafactory_bf16_without_its_layer_class_lookup_fix_stops_at_the_vision_layernorm(framework, family):
-    """Not an accumulation bug: the first image forward fails, deferred or not, with our torch fixes or not
-    (the text-only micro-batch before it still crashes unpatched: the test above)."""
-    if not _bf16_cannot_run(framework, family):
-        pytest.skip("the %s patch lets LLaMA-Factory find %s's layer classes here: bf16 is proven above"
-                    % (USER_PATCH[family], family))
+@pytest.mark.parametrize("framework,family", [p for p in FRAMEWORK_FAMILIES
+                                              if p.values[0] == "llamafactory" and p.values[1] in WITHOUT_LF_LOOKUP])
+def test_llamafactory_bf16_needs_the_layer_class_lookup_fix_the_family_patch_carries(framework, family):
+    """Not an accumulation bug.  LLaMA-Factory 0.9.5 looks its one layer class up in ``_no_split_modules``,
+    a set on transformers 5.x that it cannot read: without the lookup target the vision blocks stay in
+    the root unit, whose bf16 forward hands their LayerNorm the fp32 output of the vision ``pos_embed``
+    unit, and the first image forward fails, deferred sync or not.  The user's patch carries the target:
+    with it the vision blocks get their units and bf16 trains (the tests above)."""
+    from fsdp2_compat.integrations import llamafactory
+
+    assert llamafactory.LAYER_CLASS_LOOKUP in registry.patch(USER_PATCH[family]).targets
+    if not guards.in_range(guards.installed_version("transformers"), ">=5.0.0rc0"):
+        pytest.skip("transformers %s keeps _no_split_modules a list: LLaMA-Factory finds its layer class as released"
+                    % guards.installed_version("transformers"))
     for r in _framework_results(framework, family):
-        assert not any(".blocks." in u or ".layers." in u for u in r["bf16 deferred"]["wrapped"]), r["bf16 deferred"]
-        for case in ("bf16 deferred", "bf16 every", "guard only"):
-            assert r[case]["error"] == "step 0: " + LAYERNORM_ERROR, (case, r[case]["error"])
+        assert any(u.startswith("model.visual.blocks.") for u in r["bf16 deferred"]["wrapped"]), r["bf16 deferred"]
+        without = r["bf16 without lookup"]
+        assert not any(".blocks." in u or ".layers." in u for u in without["wrapped"]), without["wrapped"]
+        assert without["error"] == "step 0: " + LAYERNORM_ERROR, without["error"]
 
 
 @pytest.mark.parametrize("framework,family", [p for p in FRAMEWORK_FAMILIES if p.values[0] == ACCELERATE])

@@ -37,9 +37,14 @@ def _test_patches():
 
     return (
         patch("t-selection", registry.WRAP_SELECTION),  # the selection fix, torch as released
-        patch("t-guard", (torch_fsdp.GRAD_ACCUM_GUARD,)),  # the AttributeError guard alone
+        # the AttributeError guard alone (and LLaMA-Factory's layer-class lookup, as Qwen3-VL's patch
+        # carries it: without it LLaMA-Factory's bf16 Qwen3-VL stops before any accumulation)
+        patch("t-guard", registry.LF_LAYER_LOOKUP + (torch_fsdp.GRAD_ACCUM_GUARD,)),
         patch("t-selection-guard", registry.WRAP_SELECTION + (torch_fsdp.GRAD_ACCUM_GUARD,)),
         patch("t-accum", registry.GRAD_ACCUMULATION),  # both torch seams, nothing else
+        # Qwen3-VL's patch without LLaMA-Factory's layer-class lookup (what that target is for)
+        patch("t-qwen3vl-without-lookup", tuple(t for t in registry.patch("qwen3vl").targets
+                                                if t not in registry.LF_LAYER_LOOKUP)),
     )
 
 
