@@ -185,6 +185,7 @@ def test_bf16_policy_trains_close_to_the_fp32_reference(model_dirs, family, mode
     """verl's default mixed precision (bf16 parameters, fp32 reduce): patched runs train within bf16 noise.
 
     Unpatched, Qwen3-VL's fused forward meets its bf16 lm_head weight with an fp32 ``full_tensor()`` (crash).
+    On verl 0.7.x the reference shares the engine's forced bf16 autocast (see ``verl_engine``).
     """
     if (family, mode) == ("qwen3_vl", "fused"):
         r = _run(model_dirs, family, mode, None, bf16=True, steps=1)[0]
