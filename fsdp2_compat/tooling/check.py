@@ -25,7 +25,8 @@ Last, the whole path users run: GLM-4.1V through each installed training
 engine that runs on CPU here (verl's FSDP engine, SkyRL's FSDPStrategy; see
 ``tooling.engines``), on two gloo ranks with different data, unpatched and
 patched; "fixed" means every loss, gradient and parameter matches the
-data-parallel reference.
+data-parallel reference (within 1e-5, or bf16 tolerance where the engine
+computes in bf16 whatever the policy: verl 0.7.0).
 
 What upstream prints while a case runs (verl announces its monkey patches)
 is captured per case: shown with ``--verbose`` or when the case is not
@@ -189,14 +190,16 @@ def _engine(kind, family, patch, root):
         return {"error": "%s: %s" % (type(exc).__name__, first_line(exc)), "loss_err": None, "output": ""}
     merged = common.merge(results)
     merged["output"] = results[0].get("output", "")
+    merged["tol"] = common.tolerance(merged)  # bf16 where the engine computes in bf16 whatever the policy
     worst = max([v for k, v in merged.items() if k.endswith("grad_err") or k.startswith("param_err")] or [0.0])
-    if merged["error"] is None and worst >= TOL:
+    if merged["error"] is None and worst >= merged["tol"]:
         merged["error"] = "runs, but gradients or parameters miss the data-parallel average by %.2g" % worst
     return merged
 
 
 def _row(framework, version, family, patch, kind, unpatched, patched):
-    fixed = patched.get("error") is None and patched.get("loss_err") is not None and patched["loss_err"] < TOL
+    tol = patched.get("tol", TOL)
+    fixed = patched.get("error") is None and patched.get("loss_err") is not None and patched["loss_err"] < tol
     return {
         "framework": framework,
         "version": version,
@@ -204,8 +207,9 @@ def _row(framework, version, family, patch, kind, unpatched, patched):
         "kind": kind,
         "unpatched": _short(unpatched.get("error")),
         "patched": _short(patched.get("error")),
-        "loss_match": None if patched.get("loss_err") is None else patched["loss_err"] < TOL,
+        "loss_match": None if patched.get("loss_err") is None else patched["loss_err"] < tol,
         "loss_err": patched.get("loss_err"),
+        "tol": tol,
         "patch": patch,
         "fixed": fixed,
         "output": {"unpatched": unpatched.get("output", ""), "patched": patched.get("output", "")},
@@ -436,6 +440,9 @@ def main(args):
         print("note: 'verl engine' / 'skyrl strategy' rows train through the framework's own training engine "
               "(2 gloo ranks, different data; CPU stand-ins only for CUDA-only code) and compare every loss, "
               "gradient and parameter with the data-parallel reference.")
+        if any(r["kind"] in ENGINES and r.get("tol", TOL) > TOL for r in rows):
+            print("note: a row whose engine computes in bf16 whatever the policy (verl 0.7.0 autocasts its "
+                  "forward to bf16) is held to bf16's bound, 1e-2, instead of 1e-5.")
     shown = [r for r in rows if getattr(args, "verbose", False) or r["fixed"] is False]
     if shown:
         print()

@@ -681,12 +681,16 @@ GLM4V_FORWARD = "verl:verl.models.transformers.glm4v."
 
 def _engine_run(venv, tmp_path, mode, env):
     from fsdp2_compat.fixes import glm4v_forward
-    from fsdp2_compat.tooling.engines import verl_engine
+    from fsdp2_compat.tooling.engines import common, verl_engine
 
     runnable = verl_engine.runnable()
     if runnable is not True:
         pytest.skip(str(runnable))
     needed = glm4v_forward.adapted_for(guards.installed_version("transformers"))
+    # The wrap-selection target of this release: its own function from 0.7.1, inline in apply_fsdp2 before.
+    from fsdp2_compat.integrations import verl as verl_targets
+
+    selection = (verl_targets.WRAP_SELECTION if _verl_at_least("0.7.1") else verl_targets.WRAP_SELECTION_INLINE).key
     proc = venv.run(ENGINE_CHILD, env=dict(env, OMP_NUM_THREADS="1"), args=(str(tmp_path), mode), timeout=600)
     result = _result(proc)
     for rank, r in enumerate(result["results"]):
@@ -694,15 +698,16 @@ def _engine_run(venv, tmp_path, mode, env):
         assert r["error"] is None, "%s: %s\n%s" % (where, r["error"], proc.stderr[-3000:])
         assert r["activation"]["file"].startswith(venv.site), r["activation"]["file"]
         assert r["activation"]["requested"] == ["glm4v"], r["activation"]
-        assert r["activation"]["outcomes"]["verl:verl.utils.fsdp_utils._select_fsdp2_wrap_targets"] == engine.APPLIED
+        assert r["activation"]["outcomes"][selection] == engine.APPLIED, r["activation"]["outcomes"]
         # verl's GLM4V forward ran with the forward targets this transformers needs (none on 5.0.0rc0-rc3).
         for attr in ("_get_input_embeds", "process_position_ids"):
             kind = r["activation"]["outcomes"][GLM4V_FORWARD + attr]
             assert kind == (engine.APPLIED if attr in needed else engine.NOT_NEEDED), (attr, kind)
         assert "model.visual.embeddings.position_embedding" not in r["units"]
+        tol = common.tolerance(r)  # 1e-5; bf16's bound where verl's engine autocasts to bf16 regardless (0.7.0)
         for key in ("loss_err", "step0_grad_err", "step1_grad_err", "param_err_after_step1", "grad_norm_err"):
-            assert r[key] < 1e-5, (where, key, r[key])
-    assert result["results"][0]["losses"] != result["results"][1]["losses"]
+            assert r[key] < tol, (where, key, r[key], tol)
+    assert result["results"][0]["reference_losses"] != result["results"][1]["reference_losses"]
     return result
 
 

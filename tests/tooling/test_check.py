@@ -65,7 +65,10 @@ def test_check_trains_glm4v_through_each_training_engine_installed(python):
     for kind, row in rows.items():
         assert row["family"] == "glm4v" and row["patch"] == "glm4v", row
         assert row["unpatched"].startswith("step 0: RuntimeError: aten.grid_sampler_2d.default got mixed"), row
-        assert row["patched"] == "ok" and row["fixed"] and row["loss_err"] < 1e-5, row
+        # fp32's 1e-5, except verl 0.7.0's engine, which autocasts its forward to bf16 whatever the policy.
+        bf16 = kind == "verl engine" and not guards.in_range(guards.installed_version("verl"), ">=0.8.0")
+        assert row["tol"] == (1e-2 if bf16 else 1e-5), row
+        assert row["patched"] == "ok" and row["fixed"] and row["loss_err"] < row["tol"], row
 
 
 @needs_framework

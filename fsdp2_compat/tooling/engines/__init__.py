@@ -4,7 +4,7 @@ What users run is not ``apply_fsdp2`` alone but a training engine around it:
 
 - ``verl_engine``     verl's FSDP engine: ``EngineRegistry.new("language_model", "fsdp2")``
                       -> ``FSDPEngineWithLMHead`` (``initialize``, ``forward_backward_batch``,
-                      ``optimizer_step``, ``train_batch``), verl >= 0.9;
+                      ``optimizer_step``, ``train_batch``), verl >= 0.7;
 - ``skyrl_strategy``  SkyRL's ``FSDPStrategy`` + ``HFModelWrapper`` as its FSDP policy
                       worker drives them (``prepare``, ``backward``, ``optimizer_step``);
 - ``cpu``             the CPU stand-ins, each named and narrow: a CPU platform registered

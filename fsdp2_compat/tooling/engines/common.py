@@ -11,6 +11,19 @@ import os
 #                   through ``tooling.subset``)
 ENV, AUTO = "env", "auto"
 
+TOL = 1e-5  # fp32 throughout: the sharded run and the reference differ by summation order only
+BF16_TOL = 1e-2  # a bf16 computation (a bf16 policy, or an engine that autocasts to bf16 regardless) vs the reference
+
+
+def tolerance(result):
+    """The bound a rank result's loss / gradient / parameter errors are held to.
+
+    ``BF16_TOL`` when the run computed in bf16 (``result["bf16"]``: the
+    framework's bf16 policy; ``result["autocast"]``: an engine that autocasts
+    whatever the policy, e.g. verl 0.7.0), else ``TOL``.
+    """
+    return BF16_TOL if result.get("bf16") or result.get("autocast") else TOL
+
 
 def activate(patches):
     """Turn fsdp2-compat on in this rank as ``patches`` says (see above); returns the patch names requested."""

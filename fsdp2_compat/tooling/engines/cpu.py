@@ -9,9 +9,9 @@ extension point; verl ships nvidia / huawei / amd only) and selects it with
 are registered for ``device=["cuda", "npu"]``, so ``VERL_ENGINE_DEVICE=cuda``
 (read by ``EngineRegistry.get_engine_cls``) picks ``FSDPEngineWithLMHead``.  It
 must run before ``verl.workers.engine`` is imported: ``transformer_impl``
-reads the device name at import.  verl 0.8 has neither: it names the device
-``cpu`` itself on a host without CUDA, and ``register_verl_engine_for_cpu``
-registers its FSDP engine class for that device through verl's public
+reads the device name at import.  verl 0.7 / 0.8 have neither: they name the
+device ``cpu`` themselves on a host without CUDA, and ``register_verl_engine_for_cpu``
+registers their FSDP engine class for that device through verl's public
 ``EngineRegistry.register`` (the class verl registers for cuda).
 
 SkyRL: three helpers hard-code CUDA (``init_device_mesh("cuda", ...)``,
@@ -148,7 +148,7 @@ def use_verl_cpu_platform():
 
     verl >= 0.9: the CPU platform (and the cuda-registered engine classes).
     Raises ``RuntimeError`` when verl resolved its platform before (the engine
-    module must not have been imported yet in this process).  verl 0.8 names
+    module must not have been imported yet in this process).  verl 0.7 / 0.8 name
     the device itself (``cpu`` without CUDA); then ``register_verl_engine_for_cpu``
     is needed once the engine is imported.
     """

@@ -23,6 +23,15 @@ Settings (CPU, exact comparison): the CPU platform (``cpu.use_verl_cpu_platform`
 ``attn_implementation=eager``, fp32 mixed precision (``bf16=True``: verl's
 default bf16 policy, compared loosely), SGD, ``clip_grad=1e6``, no
 ``torch.compile``, no gradient checkpointing.
+
+verl 0.7.x (0.7.0 is the oldest engine run here) computes in bf16 whatever
+the policy: its ``FSDPEngineWithLMHead.forward_step`` hard-codes
+``torch.autocast(device_type, dtype=torch.bfloat16)`` (0.7.0 and 0.7.1 as
+released; 0.8 autocasts to the policy's ``param_dtype`` and skips fp32).  There the reference runs its forward
+under the same autocast and ``result["autocast"]`` says so: an fp32 exact
+comparison does not exist on that release, the bf16 tolerance applies
+(``common.tolerance``).  verl 0.7.0 also gives ``lm_head`` no FSDP unit of its own
+(0.7.1+ does): it stays in the root unit.
 """
 
 import time
@@ -31,6 +40,8 @@ SAMPLES_PER_RANK = 4
 MICRO_BATCH = 2  # two micro-batches per rank: gradient accumulation with deferred sync
 LR = 0.05
 MODULES = ("verl.utils.fsdp_utils", "verl.models.transformers.")
+# Before this release verl's forward_step autocasts to bf16 unconditionally (see the module docstring).
+POLICY_AUTOCAST = ">=0.8.0"
 
 
 def runnable():
@@ -45,8 +56,8 @@ def runnable():
     if version is None or spec is None or not spec.submodule_search_locations:
         return "verl is not installed"
     root = list(spec.submodule_search_locations)[0]
-    if not guards.in_range(version, ">=0.8.0"):
-        return "verl %s: the engine harness is written for verl 0.8+'s FSDP engine API" % version
+    if not guards.in_range(version, ">=0.7.0"):
+        return "verl %s: the engine harness is written for verl 0.7+'s FSDP engine API" % version
     if not os.path.isfile(os.path.join(root, "workers", "engine", "fsdp", "transformer_impl.py")):
         return "verl %s has no verl.workers.engine.fsdp.transformer_impl" % version
     # What verl.workers.engine imports beyond verl's declared core (tf5.txt lists them).
@@ -54,6 +65,15 @@ def runnable():
     if missing:
         return "verl %s's training engine needs %s, not installed here" % (version, ", ".join(missing))
     return True
+
+
+def forced_autocast():
+    """The dtype verl's ``forward_step`` autocasts to whatever the policy (verl 0.7.x: bf16), else None."""
+    import torch
+
+    from fsdp2_compat.core import guards
+
+    return None if guards.in_range(guards.installed_version("verl"), POLICY_AUTOCAST) else torch.bfloat16
 
 
 def _position_ids(model, batch):
@@ -128,8 +148,13 @@ def to_tensordict(samples, fused, pad_token_id):
     return td
 
 
-def reference_loss(model, samples, fused):
-    """verl's DP-average SFT loss of ``samples`` on the unsharded ``model``: (total, per-sample terms)."""
+def reference_loss(model, samples, fused, autocast=None):
+    """verl's DP-average SFT loss of ``samples`` on the unsharded ``model``: (total, per-sample terms).
+
+    ``autocast``: the dtype the forward runs under (what verl 0.7.0's engine does), or None.
+    """
+    import contextlib
+
     import torch
 
     lengths = [len(s["input_ids"]) for s in samples]
@@ -151,7 +176,8 @@ def reference_loss(model, samples, fused):
             kwargs[key] = torch.cat([s["multi_modal_inputs"][key] for s in samples])
     if fused:
         kwargs.update(temperature=1.0, return_dict=True)
-    out = model(**kwargs)
+    with torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext():
+        out = model(**kwargs)
     tokens = sum(int(s["loss_mask"].sum()) for s in samples)
     terms = []
     for i, s in enumerate(samples):
@@ -201,10 +227,13 @@ def train_verl_engine(rank, world, family, model_dir, patches, fused=False, bf16
     """Train ``family`` from ``model_dir`` through verl's FSDP engine on this rank; see the module docstring.
 
     ``patches``: how fsdp2-compat is turned on (``common.activate``).  Returns
-    ``{"error": "<where>: <type>: <message>" or None, "losses", "loss_err",
+    ``{"error": "<where>: <type>: <message>" or None, "losses" (verl's, per step: in bf16 where it
+    autocasts, so two ranks' may coincide), "reference_losses" (the reference's for this rank's samples),
+    "loss_err",
     "step<k>_grad_err" / "_worst_grad" / "_lm_head_grad_err" / "_grads_checked",
     "param_err_after_step<k>", "grad_norm_err", "units", "forward",
-    "engine_class", "device", "activation", "init_s", "step_s"}``.
+    "engine_class", "device", "activation", "autocast", "init_s", "step_s"}``;
+    ``common.tolerance(result)`` is the bound its errors are held to.
     """
     import copy
     from functools import partial
@@ -214,7 +243,7 @@ def train_verl_engine(rank, world, family, model_dir, patches, fused=False, bf16
 
     start = time.perf_counter()
     result = {"family": family, "fused": fused, "bf16": bf16, "patches": patches, "error": None, "losses": [],
-              "loss_err": 0.0}
+              "reference_losses": [], "loss_err": 0.0, "autocast": None}
     device = cpu.use_verl_cpu_platform()  # before verl.workers.engine is imported
     common.activate(patches)
     import torch
@@ -223,6 +252,8 @@ def train_verl_engine(rank, world, family, model_dir, patches, fused=False, bf16
     from verl.workers.utils.losses import sft_loss
 
     cpu.register_verl_engine_for_cpu()
+    autocast = forced_autocast()
+    result["autocast"] = None if autocast is None else str(autocast).replace("torch.", "")
     engine, model_config = _engine(model_dir, fused, bf16)
     result.update(engine_class=type(engine).__name__, device=device)
     try:
@@ -245,7 +276,7 @@ def train_verl_engine(rank, world, family, model_dir, patches, fused=False, bf16
     for step in range(steps):
         per_rank = [make_samples(family, reference, seed=1000 + step * world + r) for r in range(world)]
         data = to_tensordict(per_rank[rank], fused, model_config.tokenizer.pad_token_id)
-        # Everything inside train_mode: verl 0.8 zeroes the gradients when it exits.
+        # Everything inside train_mode: verl 0.7 and 0.8 zero the gradients when it exits.
         with engine.train_mode(disable_auto_offload=True, zero_grad_on_exit=False):
             try:
                 if step == 0:
@@ -258,11 +289,12 @@ def train_verl_engine(rank, world, family, model_dir, patches, fused=False, bf16
                 return result
             loss = sum(out["loss"]) if isinstance(out["loss"], list) else float(out["loss"])
             ref_optimizer.zero_grad()
-            total, terms = reference_loss(reference, [s for samples in per_rank for s in samples], fused)
+            total, terms = reference_loss(reference, [s for samples in per_rank for s in samples], fused, autocast)
             total.backward()
             # verl reports this rank's loss times dp_size (sft_loss): the reference terms of its samples, likewise.
             mine = float(sum(terms[rank * SAMPLES_PER_RANK:(rank + 1) * SAMPLES_PER_RANK]).detach()) * world
             result["losses"].append(round(loss, 7))
+            result["reference_losses"].append(mine)
             result["loss_err"] = max(result["loss_err"], abs(loss - mine) / (1 + abs(mine)))
             common.compare(module, reference, result, "step%d" % step)
             if step == 0:
