@@ -61,12 +61,12 @@ def text_only(batch, seed):
     """``batch`` with every image placeholder replaced by a text token, and no image inputs."""
     import torch
 
-    from fsdp2_compat.tooling.tiny.configs import _TEXT_TOKENS_MAX
+    from fsdp2_compat.tooling.tiny.text import TEXT_TOKENS_MAX
 
     gen = torch.Generator().manual_seed(seed)
     ids = batch["input_ids"].clone()
-    special = ids >= _TEXT_TOKENS_MAX
-    ids[special] = torch.randint(3, _TEXT_TOKENS_MAX, (int(special.sum()),), generator=gen)
+    special = ids >= TEXT_TOKENS_MAX
+    ids[special] = torch.randint(3, TEXT_TOKENS_MAX, (int(special.sum()),), generator=gen)
     out = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
     if "mm_token_type_ids" in batch:
         out["mm_token_type_ids"] = torch.zeros_like(batch["mm_token_type_ids"])

@@ -16,33 +16,11 @@ from .configs import (
     _MEL,
     _MEL_LEN,
     _SRC_POS,
-    _TEXT_TOKENS_MAX,
     _VEND,
     _VID,
     _VSTART,
 )
-
-def _text_ids(gen, n: int):
-    import torch
-
-    return torch.randint(3, _TEXT_TOKENS_MAX, (n,), generator=gen)
-
-
-def _with_placeholders(gen, batch_size: int, pre: int, span: list[int], post: int):
-    """input_ids rows: text[pre] + span + text[post]; labels mask the span."""
-    import torch
-
-    rows, labels = [], []
-    for _ in range(batch_size):
-        a, b = _text_ids(gen, pre), _text_ids(gen, post)
-        mid = torch.tensor(span, dtype=torch.long)
-        ids = torch.cat([a, mid, b])
-        lab = ids.clone()
-        lab[pre : pre + len(span)] = -100
-        rows.append(ids)
-        labels.append(lab)
-    input_ids = torch.stack(rows)
-    return input_ids, torch.ones_like(input_ids), torch.stack(labels)
+from .text import text_ids, with_placeholders
 
 
 def _accepts(fn, name: str) -> bool:
@@ -64,7 +42,7 @@ def make_batch(family: str, model, *, seed: int, batch_size: int = 2) -> dict:
     cfg = model.config
 
     if family in ("qwen2", "llama"):
-        ids = torch.stack([_text_ids(gen, 12) for _ in range(batch_size)])
+        ids = torch.stack([text_ids(gen, 12) for _ in range(batch_size)])
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
 
     if family in ("glm4v", "glm4v_moe", "glm46v", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "paddleocr_vl"):
@@ -78,7 +56,7 @@ def make_batch(family: str, model, *, seed: int, batch_size: int = 2) -> dict:
         pixel_values = torch.randn(batch_size * n_patches, *patch_shape, generator=gen)
         grid = torch.tensor([[1, _GRID, _GRID]] * batch_size, dtype=torch.long)
         span = [_VSTART] + [_IMG] * _IMAGE_TOKENS + [_VEND]
-        input_ids, attn, labels = _with_placeholders(gen, batch_size, 5, span, 6)
+        input_ids, attn, labels = with_placeholders(gen, batch_size, 5, span, 6)
         batch = {
             "input_ids": input_ids,
             "attention_mask": attn,
@@ -97,7 +75,7 @@ def make_batch(family: str, model, *, seed: int, batch_size: int = 2) -> dict:
         pixel_attention_mask = torch.ones(batch_size, n_patches, dtype=torch.long)
         spatial_shapes = torch.tensor([[_GRID, _GRID]] * batch_size, dtype=torch.long)
         span = [_IMG] * _IMAGE_TOKENS
-        input_ids, attn, labels = _with_placeholders(gen, batch_size, 5, span, 6)
+        input_ids, attn, labels = with_placeholders(gen, batch_size, 5, span, 6)
         return {
             "input_ids": input_ids,
             "attention_mask": attn,
@@ -112,7 +90,7 @@ def make_batch(family: str, model, *, seed: int, batch_size: int = 2) -> dict:
         input_features = torch.randn(batch_size, _MEL, _MEL_LEN, generator=gen)
         feat_mask = torch.ones(batch_size, _MEL_LEN, dtype=torch.long)
         span = [_AUDIO_BOS] + [_AUDIO] * n_audio + [_AUDIO_EOS]
-        input_ids, attn, labels = _with_placeholders(gen, batch_size, 4, span, 6)
+        input_ids, attn, labels = with_placeholders(gen, batch_size, 4, span, 6)
         mask_key = "feature_attention_mask" if family == "qwen2_audio" else "input_features_mask"
         return {
             "input_ids": input_ids,
@@ -128,7 +106,7 @@ def make_batch(family: str, model, *, seed: int, batch_size: int = 2) -> dict:
         n_audio = _SRC_POS // frames_per_token
         input_features = torch.randn(batch_size, _MEL, _MEL_LEN, generator=gen)
         span = [_AUDIO_BOS] + [_AUDIO] * n_audio + [_AUDIO_EOS]
-        input_ids, attn, labels = _with_placeholders(gen, batch_size, 4, span, 6)
+        input_ids, attn, labels = with_placeholders(gen, batch_size, 4, span, 6)
         return {
             "input_ids": input_ids,
             "attention_mask": attn,

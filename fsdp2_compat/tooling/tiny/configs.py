@@ -53,7 +53,6 @@ _KV_HEADS = 1
 _HEAD_DIM = _HIDDEN // _HEADS  # 16 -> 8 rotary frequencies
 _INTER = 64
 _LAYERS = 2
-_TEXT_TOKENS_MAX = 240  # ordinary text ids are drawn from [3, 240)
 
 # special token ids (all inside the tiny vocab)
 _IMG = 250  # image placeholder

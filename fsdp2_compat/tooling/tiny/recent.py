@@ -25,10 +25,12 @@ Where each reads an embedding's ``.weight`` outside that embedding's forward
 Step-3.7's config class has no top-level ``tie_word_embeddings`` (only its
 text config has one), and neither does this tiny config: SkyRL's
 ``apply_fsdp2`` reads that attribute without a default.
-Nothing is imported at module import.
+Nothing but ``text`` (a leaf of this package) is imported at module import.
 """
 
 from __future__ import annotations
+
+from .text import with_placeholders
 
 FAMILIES: tuple[str, ...] = ("hunyuan_vl", "step3p7", "glm_image", "cosmos3_edge", "deepseek_ocr2", "chameleon")
 
@@ -53,7 +55,6 @@ _KV_HEADS = 1
 _HEAD_DIM = _HIDDEN // _HEADS
 _INTER = 64
 _LAYERS = 2
-_TEXT_MAX = 240  # ordinary text ids are drawn from [3, 240)
 _NEWLINE = 249
 _IMG = 250
 _VID = 251
@@ -156,22 +157,6 @@ def tiny_config(family: str, tie: bool):
     raise ValueError(f"unknown family {family!r}")
 
 
-def _rows(gen, batch_size: int, pre: int, span: list[int], post: int):
-    """input_ids rows text[pre] + span + text[post]; labels mask the span."""
-    import torch
-
-    rows, labels = [], []
-    for _ in range(batch_size):
-        ids = torch.cat([torch.randint(3, _TEXT_MAX, (pre,), generator=gen), torch.tensor(span, dtype=torch.long),
-                         torch.randint(3, _TEXT_MAX, (post,), generator=gen)])
-        lab = ids.clone()
-        lab[pre: pre + len(span)] = -100
-        rows.append(ids)
-        labels.append(lab)
-    ids = torch.stack(rows)
-    return ids, torch.ones_like(ids), torch.stack(labels)
-
-
 def make_batch(family: str, model, *, seed: int, batch_size: int = 2) -> dict:
     """Deterministic kwargs for ``model(**batch)`` (with labels -> scalar loss)."""
     import torch
@@ -185,18 +170,18 @@ def make_batch(family: str, model, *, seed: int, batch_size: int = 2) -> dict:
             span = [_IMG] * ((_GRID // _MERGE) * (_GRID // _MERGE + 1) + 2)
         else:
             span = [_START] + [_IMG] * (n // _MERGE ** 2) + [_END]
-        ids, attn, labels = _rows(gen, batch_size, 5, span, 6)
+        ids, attn, labels = with_placeholders(gen, batch_size, 5, span, 6)
         return {"input_ids": ids, "attention_mask": attn, "labels": labels, "image_grid_thw": grid,
                 "pixel_values": torch.randn(batch_size * n, patch_dim, generator=gen),
                 "mm_token_type_ids": (ids == _IMG).to(torch.int32)}
     if family == "step3p7":
         # Two stride-2 convolutions after the patch embedding: one token per 4x4-patch image.
-        ids, attn, labels = _rows(gen, batch_size, 5, [_IMG], 6)
+        ids, attn, labels = with_placeholders(gen, batch_size, 5, [_IMG], 6)
         return {"input_ids": ids, "attention_mask": attn, "labels": labels,
                 "pixel_values": torch.randn(batch_size, 3, _GRID * _PATCH, _GRID * _PATCH, generator=gen)}
     if family == "glm_image":
         # Image-to-image: each sample's source image (tokenized by the VQ model), then the target grid.
-        ids, attn, labels = _rows(gen, batch_size, 5, [_START] + [_IMG] * n + [_END], 6)
+        ids, attn, labels = with_placeholders(gen, batch_size, 5, [_START] + [_IMG] * n + [_END], 6)
         ids = torch.cat([ids, torch.full((batch_size, 1), _START, dtype=torch.long)], dim=1)
         labels = torch.cat([labels, torch.full((batch_size, 1), -100, dtype=torch.long)], dim=1)
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels,
@@ -204,11 +189,11 @@ def make_batch(family: str, model, *, seed: int, batch_size: int = 2) -> dict:
                 "image_grid_thw": torch.tensor([[1, _GRID, _GRID]] * (2 * batch_size), dtype=torch.long),
                 "images_per_sample": torch.tensor([2] * batch_size)}
     if family == "deepseek_ocr2":
-        ids, attn, labels = _rows(gen, batch_size, 5, [_IMG] * (_DEEPSEEK_QUERIES + 1), 6)  # + view separator
+        ids, attn, labels = with_placeholders(gen, batch_size, 5, [_IMG] * (_DEEPSEEK_QUERIES + 1), 6)  # + view separator
         return {"input_ids": ids, "attention_mask": attn, "labels": labels,
                 "pixel_values": torch.randn(batch_size, 3, 64, 64, generator=gen)}
     if family == "chameleon":
-        ids, attn, labels = _rows(gen, batch_size, 5, [_START] + [_IMG] * _VQ_TOKENS + [_END], 6)
+        ids, attn, labels = with_placeholders(gen, batch_size, 5, [_START] + [_IMG] * _VQ_TOKENS + [_END], 6)
         return {"input_ids": ids, "attention_mask": attn, "labels": labels,
                 "pixel_values": torch.randn(batch_size, 3, _GRID * _PATCH, _GRID * _PATCH, generator=gen)}
     raise ValueError(f"unknown family {family!r}")

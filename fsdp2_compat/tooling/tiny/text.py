@@ -1,0 +1,33 @@
+"""Text rows of the tiny batches, shared by ``batches`` and ``recent`` (a leaf: it imports neither).
+
+Ordinary text ids are drawn from ``[3, TEXT_TOKENS_MAX)``; every special token
+of the tiny configs (image, video, audio placeholders, begin / end markers)
+lies at or above it, so a row's media span is exactly the ids placed there.
+"""
+
+from __future__ import annotations
+
+TEXT_TOKENS_MAX = 240
+
+
+def text_ids(gen, n: int):
+    """``n`` ordinary text ids from the generator ``gen``."""
+    import torch
+
+    return torch.randint(3, TEXT_TOKENS_MAX, (n,), generator=gen)
+
+
+def with_placeholders(gen, batch_size: int, pre: int, span: list[int], post: int):
+    """``(input_ids, attention_mask, labels)``: rows text[pre] + span + text[post]; labels mask the span."""
+    import torch
+
+    rows, labels = [], []
+    for _ in range(batch_size):
+        a, b = text_ids(gen, pre), text_ids(gen, post)
+        ids = torch.cat([a, torch.tensor(span, dtype=torch.long), b])
+        lab = ids.clone()
+        lab[pre : pre + len(span)] = -100
+        rows.append(ids)
+        labels.append(lab)
+    input_ids = torch.stack(rows)
+    return input_ids, torch.ones_like(input_ids), torch.stack(labels)
