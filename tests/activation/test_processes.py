@@ -629,10 +629,13 @@ def test_ray_nothing_patched_when_unset(venv, ray_cluster):
 
 # -- slow: torchrun -----------------------------------------------------------------------
 
+# A torchrun rank: joins the gloo group, imports the modules named on its command line, and
+# rank 0 emits every rank's report.
 RANK = r"""
-import datetime, torch.distributed as dist
+import datetime, importlib, sys, torch.distributed as dist
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
-import verl.utils.fsdp_utils
+for name in sys.argv[1:]:
+    importlib.import_module(name)
 r = report()
 r["rank"], r["world"] = dist.get_rank(), dist.get_world_size()
 gathered = [None] * r["world"]
@@ -643,15 +646,14 @@ dist.destroy_process_group()
 """
 
 
-@slow
-@needs_verl
-@pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed")
-def test_torchrun_every_rank_applies(venv, tmp_path):
+def _torchrun(venv, tmp_path, modules, patches):
+    """Two torchrun ranks of ``RANK`` importing ``modules``, with only ``FSDP2_COMPAT_PATCHES=patches`` set;
+    every rank's report (the command must succeed)."""
     script = tmp_path / "rank.py"
     script.write_text(REPORT + RANK)
     proc = subprocess.run(
-        [venv.python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)],
-        env=_clean_env(FSDP2_COMPAT_PATCHES="glm4v", OMP_NUM_THREADS="1"),
+        [venv.python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)] + modules,
+        env=_clean_env(FSDP2_COMPAT_PATCHES=patches, OMP_NUM_THREADS="1"),
         cwd=str(tmp_path),
         capture_output=True,
         text=True,
@@ -660,7 +662,14 @@ def test_torchrun_every_rank_applies(venv, tmp_path):
     assert proc.returncode == 0, proc.stderr[-6000:]
     ranks = _result(proc)
     assert sorted(r["rank"] for r in ranks) == [0, 1] and len({r["pid"] for r in ranks}) == 2
-    for r in ranks:
+    return ranks
+
+
+@slow
+@needs_verl
+@pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed")
+def test_torchrun_every_rank_applies(venv, tmp_path):
+    for r in _torchrun(venv, tmp_path, ["verl.utils.fsdp_utils"], "glm4v"):
         _assert_installed_copy(venv, r)
         assert r["decisions"]["bootstrap"]["active"] is True, r["decisions"]
         assert _applied(r, "verl.utils.fsdp_utils"), (r["rank"], r["rows"])
@@ -829,21 +838,6 @@ def test_accelerate_launch_every_rank_applies_the_trl_target(venv, tmp_path):
 
 NEW_FRAMEWORKS = [d for d in ("areal", "llamafactory") if guards.installed_version(d)]
 
-RANK_MODULES = r"""
-import datetime, importlib, sys, torch.distributed as dist
-dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
-for name in sys.argv[1:]:
-    importlib.import_module(name)
-r = report()
-r["rank"], r["world"] = dist.get_rank(), dist.get_world_size()
-gathered = [None] * r["world"]
-dist.all_gather_object(gathered, r)
-if r["rank"] == 0:
-    emit(gathered)
-dist.destroy_process_group()
-"""
-
-
 @slow
 @pytest.mark.skipif(not HAS_TORCH or not NEW_FRAMEWORKS, reason="neither areal nor llamafactory is installed")
 def test_torchrun_every_rank_applies_to_areal_and_llamafactory(venv, tmp_path):
@@ -852,20 +846,7 @@ def test_torchrun_every_rank_applies_to_areal_and_llamafactory(venv, tmp_path):
     from fsdp2_compat import integrations
 
     modules = [integrations.get(d).wrap_module for d in NEW_FRAMEWORKS]
-    script = tmp_path / "rank.py"
-    script.write_text(REPORT + RANK_MODULES)
-    proc = subprocess.run(
-        [venv.python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)] + modules,
-        env=_clean_env(FSDP2_COMPAT_PATCHES="glm4v", OMP_NUM_THREADS="1"),
-        cwd=str(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    ranks = _result(proc)
-    assert sorted(r["rank"] for r in ranks) == [0, 1]
-    for r in ranks:
+    for r in _torchrun(venv, tmp_path, modules, "glm4v"):
         _assert_installed_copy(venv, r)
         assert r["decisions"]["bootstrap"]["active"] is True, r["decisions"]
         for module in modules:
@@ -892,66 +873,3 @@ def test_startup_benchmark_runs_and_imports_nothing_heavy(wheel, tmp_path):
     for label in ("bare", "installed, unset", "installed, set"):
         assert label in out
     assert out.count("x bare") >= 2  # the two ratios
-
-
-# -- fast, in-process: the Ray runtime_env helper's merge rules ---------------------------
-
-
-def test_runtime_env_fresh(monkeypatch):
-    from fsdp2_compat.activation.ray_env import SETUP_HOOK, runtime_env
-
-    monkeypatch.delenv("FSDP2_COMPAT_PATCHES", raising=False)
-    assert runtime_env() == {"env_vars": {"FSDP2_COMPAT_PATCHES": "all"}, "worker_process_setup_hook": SETUP_HOOK}
-    monkeypatch.setenv("FSDP2_COMPAT_PATCHES", "qwen3vl")
-    assert runtime_env()["env_vars"]["FSDP2_COMPAT_PATCHES"] == "qwen3vl"
-    assert runtime_env(["glm4v", "qwen2vl"])["env_vars"]["FSDP2_COMPAT_PATCHES"] == "glm4v,qwen2vl"
-
-
-def test_runtime_env_merges_without_clobbering():
-    from fsdp2_compat.activation.ray_env import CHAINED_HOOK_ENV, SETUP_HOOK, runtime_env
-
-    base = {"env_vars": {"A": "1"}, "pip": ["x"], "worker_process_setup_hook": "my.mod.hook"}
-    snapshot = json.loads(json.dumps(base))
-    env = runtime_env("glm4v", base=base)
-    assert base == snapshot, "base must not be modified"
-    assert env["pip"] == ["x"] and env["worker_process_setup_hook"] == SETUP_HOOK
-    assert env["env_vars"] == {"A": "1", "FSDP2_COMPAT_PATCHES": "glm4v", CHAINED_HOOK_ENV: "my.mod.hook"}
-    assert runtime_env("glm4v", base=env) == env, "idempotent"
-    # The user's own selection is kept, a different one is refused.
-    kept = runtime_env(base={"env_vars": {"FSDP2_COMPAT_PATCHES": "qwen2vl"}})
-    assert kept["env_vars"]["FSDP2_COMPAT_PATCHES"] == "qwen2vl"
-    with pytest.raises(ValueError, match="already set FSDP2_COMPAT_PATCHES"):
-        runtime_env("glm4v", base={"env_vars": {"FSDP2_COMPAT_PATCHES": "qwen2vl"}})
-    with pytest.raises(ValueError, match="conflicts"):
-        runtime_env("glm4v", base={"env_vars": {CHAINED_HOOK_ENV: "a.b"}, "worker_process_setup_hook": "c.d"})
-
-
-def test_runtime_env_rejects_typos_in_the_driver():
-    from fsdp2_compat import ConfigError
-    from fsdp2_compat.activation.ray_env import runtime_env
-
-    with pytest.raises(ConfigError, match="glm4x"):
-        runtime_env("glm4x")
-
-
-def test_setup_worker_requests_then_calls_chained_hooks(monkeypatch):
-    from fsdp2_compat.activation import ray_env
-
-    calls = []
-    monkeypatch.setenv("FSDP2_COMPAT_PATCHES", "glm4v")
-    monkeypatch.setenv(ray_env.CHAINED_HOOK_ENV, "fsdp2_compat_test_hook_target.hook")
-    target = type(sys)("fsdp2_compat_test_hook_target")
-    target.hook = lambda: calls.append(engine.requested())
-    monkeypatch.setitem(sys.modules, "fsdp2_compat_test_hook_target", target)
-    ray_env.setup_worker()
-    assert calls == [("glm4v",)], "ours first, then the user's"
-    engine.revert()
-
-    composed = ray_env.runtime_env("qwen2vl", base={"worker_process_setup_hook": lambda: calls.append("callable")})
-    hook = composed["worker_process_setup_hook"]
-    assert callable(hook) and hook.__name__ == "fsdp2_compat_then_<lambda>"
-    monkeypatch.setenv("FSDP2_COMPAT_PATCHES", "qwen2vl")
-    monkeypatch.delenv(ray_env.CHAINED_HOOK_ENV)
-    hook()
-    assert calls[-1] == "callable" and engine.requested() == ("qwen2vl",)
-    assert ray_env.runtime_env("qwen2vl", base=composed)["worker_process_setup_hook"] is hook

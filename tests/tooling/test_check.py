@@ -34,6 +34,14 @@ def test_check_shows_the_crash_unpatched_and_the_fix_patched(python):
         assert row["patched"] == "ok" and row["loss_match"] and row["patch"] == "glm4v"
 
 
+def _check_json(python, families):
+    """``fsdp2-compat check --json --families FAMILIES`` in a fresh process of this set: the parsed report
+    (only the JSON reaches stdout, or this fails)."""
+    proc = python("import sys; from fsdp2_compat.cli import main; "
+                  "sys.exit(main(['check', '--json', '--families', %r]))" % families)
+    return json.loads(proc.stdout)
+
+
 def _runnable_engines():
     from fsdp2_compat.tooling import check
     from fsdp2_compat.tooling.engines import skyrl_strategy, verl_engine
@@ -98,10 +106,7 @@ def test_check_fails_when_a_patch_does_not_fix_its_case(python):
 @pytest.mark.skipif(guards.installed_version("llamafactory") is None, reason="llamafactory not in this pinned set")
 def test_check_rows_for_llamafactory_keep_its_log_and_show_the_layer_class_lookup_fixed(python):
     """LLaMA-Factory logs to a stdout handler of its own: captured per case, never in the JSON stream."""
-    proc = python(
-        "import sys; from fsdp2_compat.cli import main; sys.exit(main(['check', '--json', '--families', 'glm4v']))"
-    )
-    report = json.loads(proc.stdout)
+    report = _check_json(python, "glm4v")
     [row] = [r for r in report["rows"] if r["framework"] == "llamafactory"]
     assert "aten.grid_sampler_2d.default got mixed torch.Tensor and DTensor" in row["unpatched"], row
     assert row["patched"] == "ok" and row["loss_match"] and row["fixed"], row
@@ -115,10 +120,7 @@ VERL = guards.installed_version("verl")
 @pytest.mark.skipif(VERL is None or not guards.in_range(VERL, ">=0.9.0"),
                     reason="plain full_tensor() (runs, unaveraged lm_head gradient) is verl >= 0.9 only")
 def test_check_shows_the_unaveraged_gradient_on_two_ranks(python):
-    proc = python(
-        "import sys; from fsdp2_compat.cli import main; sys.exit(main(['check', '--json', '--families', 'qwen3_vl']))"
-    )
-    report = json.loads(proc.stdout)  # the rank processes' prints must not reach stdout
+    report = _check_json(python, "qwen3_vl")  # the rank processes' prints must not reach stdout
     assert report["failed"] == 0
     [one_rank] = [r for r in report["rows"] if r["kind"] == "fused forward"]
     [two_ranks] = [r for r in report["rows"] if r["kind"] == "fused, 2 ranks"]
@@ -136,10 +138,7 @@ TRL = guards.installed_version("trl")
 def test_check_shows_trls_unaveraged_lm_head_gradient_and_the_fix(python):
     from fsdp2_compat.tooling.check import TRL_KIND
 
-    proc = python(
-        "import sys; from fsdp2_compat.cli import main; sys.exit(main(['check', '--json', '--families', 'qwen3_vl']))"
-    )
-    report = json.loads(proc.stdout)  # TRL's and the ranks' prints must not reach stdout
+    report = _check_json(python, "qwen3_vl")  # TRL's and the ranks' prints must not reach stdout
     assert report["failed"] == 0
     [row] = [r for r in report["rows"] if r["framework"] == "trl"]
     assert row["kind"] == TRL_KIND and row["version"] == TRL and row["patch"] == "qwen3vl"
