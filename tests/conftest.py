@@ -45,3 +45,53 @@ def _no_leftover_patches():
     fsdp2_compat.revert()
     yield
     fsdp2_compat.revert()
+
+
+# -- the CI test matrix (.ci/matrix.py) ----------------------------------------
+# ``.ci/test`` names the pinned set it runs in FSDP2_CI_SET; a test then runs
+# only where no earlier set pins the same releases of what it depends on (its
+# module's DEPENDS_ON, or a ``depends_on`` marker).  Without FSDP2_CI_SET
+# (a developer's plain ``pytest``) everything runs.  FSDP2_CI_ORDER=reverse
+# runs the collected tests in reversed order: .ci/test uses it for every
+# other set, so no test can rely on what an earlier test imported or left.
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "depends_on(*dists): this test's DEPENDS_ON, overriding its module's")
+
+
+def _matrix():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fsdp2_ci_matrix", os.path.join(REPO, ".ci", "matrix.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _item_depends(item, matrix):
+    marker = item.get_closest_marker("depends_on")
+    depends = tuple(marker.args) if marker is not None else getattr(item.module, "DEPENDS_ON", None)
+    if depends is None:
+        return None
+    framework = getattr(item, "callspec", None) and item.callspec.params.get("framework")
+    return matrix.expand(depends, framework if isinstance(framework, str) else None)
+
+
+def pytest_collection_modifyitems(config, items):
+    set_name = os.environ.get("FSDP2_CI_SET")
+    if set_name:
+        matrix = _matrix()
+        sets = matrix.order()
+        if set_name not in sets:
+            raise pytest.UsageError("FSDP2_CI_SET=%s is not a pinned set (%s)" % (set_name, ", ".join(sets)))
+        pinned = matrix.all_pins(sets, os.environ.get("FSDP2_CI_DEFAULT_PYTHON"))
+        keep, proven = [], []
+        for item in items:
+            dists = _item_depends(item, matrix)
+            (keep if dists is None or matrix.runs_in(set_name, dists, pinned, sets) else proven).append(item)
+        if proven:
+            config.hook.pytest_deselected(items=proven)
+            items[:] = keep
+    if os.environ.get("FSDP2_CI_ORDER") == "reverse":
+        items.reverse()

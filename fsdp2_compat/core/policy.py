@@ -53,6 +53,19 @@ def code_label(target, module, lookup):
     return None, fp
 
 
+def fixed_reason(target, version):
+    """Why ``version`` needs nothing from ``target`` because upstream carries the fix, or None.
+
+    Decided from the installed release alone, so ``status`` can say it before
+    the target's module is imported and the engine says the same at import
+    (reading the version at ``apply()`` would cost ``importlib.metadata`` at
+    interpreter start-up).
+    """
+    if target.fixed_in and version and guards.in_range(version, target.fixed_in):
+        return "fixed upstream in %s %s" % (target.dist, target.fixed_in)
+    return None
+
+
 def declared_reason(target, version):
     """The catalogue's reason why ``version`` does not need ``target``, or None."""
     return _reason(target.declared, version)
@@ -91,8 +104,9 @@ def judge(target, module, found, siblings, lookup, strict, is_ours=lambda obj: F
     the engine installed (a sibling already applied fits, whatever the order
     the import hooks run in).
     """
-    if target.fixed_in and guards.in_range(found, target.fixed_in):
-        return Verdict(None, NOT_NEEDED, "fixed upstream in %s %s" % (target.dist, target.fixed_in))
+    fixed = fixed_reason(target, found)
+    if fixed is not None:
+        return Verdict(None, NOT_NEEDED, fixed)
     label, fp = code_label(target, module, lookup)
     if label is None:
         # Another layout of the same fix fits this code: that one applies (say so first).

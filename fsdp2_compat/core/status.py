@@ -27,9 +27,13 @@ def status(names=None):
         if outcome.kind in (engine.WAITING, engine.NOT_REQUESTED) and versions[dist] is None:
             row["outcome"] = engine.NOT_INSTALLED
         elif outcome.kind == engine.WAITING:
+            fixed = policy.fixed_reason(outcome.target, versions[dist])
             reason = policy.declared_reason(outcome.target, versions[dist])
             unsupported = policy.unsupported_reason(outcome.target, versions[dist])
-            if reason is not None:  # the catalogue knows this release has nothing to patch here
+            if fixed is not None:  # what the engine will say at import, known from the release already
+                row["outcome"] = engine.NOT_NEEDED
+                row["detail"] = "%s %s: %s (its module is not imported yet)" % (dist, versions[dist], fixed)
+            elif reason is not None:  # the catalogue knows this release has nothing to patch here
                 row["outcome"] = NOT_FOR_THIS_RELEASE
                 row["detail"] = "%s %s: %s" % (dist, versions[dist], reason)
             elif unsupported is not None:  # ... or that it has the bug where the patch does not reach

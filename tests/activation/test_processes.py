@@ -52,6 +52,9 @@ from fsdp2_compat.activation import bootstrap as _bootstrap
 from fsdp2_compat.core import config
 from fsdp2_compat.core import engine, guards
 
+# The releases this module's outcome depends on: .ci/test runs it once per distinct set of them (.ci/matrix.py).
+DEPENDS_ON = ("python", "torch")
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VERL = guards.installed_version("verl")
 SKYRL = guards.installed_version("skyrl")
@@ -326,6 +329,7 @@ def test_pth_disable_switch(venv):
 # -- slow: real verl imports in the installed venv --------------------------------------
 
 
+@pytest.mark.depends_on("python", "torch", "verl")
 @slow
 @needs_verl
 def test_pth_applies_when_verl_module_is_imported(venv):
@@ -344,6 +348,7 @@ def test_pth_applies_when_verl_module_is_imported(venv):
     assert _applied(r, "verl.utils.fsdp_utils"), r["rows"]
 
 
+@pytest.mark.depends_on("python", "torch", "verl")
 @slow
 @needs_verl
 def test_nothing_applies_when_unset(venv):
@@ -361,6 +366,7 @@ def test_nothing_applies_when_unset(venv):
         assert r["plugin"]["active"] is False and r["plugin"]["reason"] == "FSDP2_COMPAT_PATCHES unset"
 
 
+@pytest.mark.depends_on("python", "torch", "verl")
 @slow
 @needs_verl_plugins
 def test_plugin_applies_with_bootstrap_disabled(venv):
@@ -377,6 +383,7 @@ def test_plugin_applies_with_bootstrap_disabled(venv):
     assert _applied(r, "verl.utils.fsdp_utils"), r["rows"]
 
 
+@pytest.mark.depends_on("python", "torch", "verl")
 @slow
 @needs_verl_plugins
 def test_plugin_reports_a_bad_selection_at_warning_and_never_raises(venv):
@@ -407,6 +414,7 @@ def _verl_pythons():
     return out or [pytest.param(None, marks=pytest.mark.skip(reason="no verl >= 0.6.0 here and no .venv/tf4"))]
 
 
+@pytest.mark.depends_on("python", "torch", "verl")
 @slow
 @pytest.mark.parametrize("python", _verl_pythons())
 def test_verl_use_external_modules_imports_auto_before_targets(python):
@@ -565,6 +573,7 @@ def _skip_missing_dependency(result, framework):
         pytest.skip("%s's fsdp_utils cannot be imported here: %s" % (framework, error["error"]))
 
 
+@pytest.mark.depends_on("python", "torch", "verl", "ray")
 @slow
 @pytest.mark.xdist_group("fsdp2_compat_ray")
 @needs_verl_plugins
@@ -579,6 +588,7 @@ def test_ray_actor_gets_patch_through_verl_plugin(venv, ray_cluster):
     assert _applied(r, "verl.utils.fsdp_utils"), r["rows"]
 
 
+@pytest.mark.depends_on("python", "torch", "verl", "ray")
 @slow
 @pytest.mark.xdist_group("fsdp2_compat_ray")
 @pytest.mark.skipif(not _verl_at_least("0.6.0"), reason="VERL_USE_EXTERNAL_MODULES needs verl 0.6.0+ (found %s)" % VERL)
@@ -591,6 +601,7 @@ def test_ray_actor_gets_patch_through_verl_external_modules(venv, ray_cluster):
     assert r["requested"] == ["glm4v"] and _applied(r, "verl.utils.fsdp_utils"), r["rows"]
 
 
+@pytest.mark.depends_on("python", "torch", "skyrl", "ray")
 @slow
 @pytest.mark.xdist_group("fsdp2_compat_ray")
 @pytest.mark.skipif(SKYRL is None, reason="skyrl is not installed in this environment")
@@ -604,6 +615,7 @@ def test_ray_runtime_env_helper_patches_skyrl(venv, ray_cluster):
     assert r["env"]["F2C_USER_VAR"] == "kept" and r["env"]["F2C_USER_HOOK_RAN"] == "1"
 
 
+@pytest.mark.depends_on("python", "ray")
 @slow
 @pytest.mark.xdist_group("fsdp2_compat_ray")
 def test_ray_runtime_env_helper_chains_a_callable_hook(venv, ray_cluster):
@@ -612,6 +624,7 @@ def test_ray_runtime_env_helper_chains_a_callable_hook(venv, ray_cluster):
     assert r["env"]["F2C_CALLABLE_HOOK_RAN"] == "1"
 
 
+@pytest.mark.depends_on("python", "ray")
 @slow
 @pytest.mark.xdist_group("fsdp2_compat_ray")
 def test_ray_nothing_patched_when_unset(venv, ray_cluster):
@@ -720,6 +733,7 @@ def _engine_run(venv, tmp_path, mode, env):
     return result
 
 
+@pytest.mark.depends_on("python", "torch", "transformers", "verl")
 @slow
 @needs_verl
 def test_verl_engine_trains_glm4v_with_only_the_variable_set(venv, tmp_path):
@@ -732,6 +746,7 @@ def test_verl_engine_trains_glm4v_with_only_the_variable_set(venv, tmp_path):
             assert r["activation"]["decisions"]["plugin"]["active"] is True, r["activation"]
 
 
+@pytest.mark.depends_on("python", "torch", "transformers", "verl")
 @slow
 @needs_verl
 def test_verl_engine_trains_glm4v_with_fsdp2_compat_auto(venv, tmp_path):
@@ -757,6 +772,7 @@ def _trl_patched(r, module=TRL_UTILS):
     return bool(rows) and all(row["outcome"] == engine.APPLIED for row in rows)
 
 
+@pytest.mark.depends_on("python", "torch", "trl")
 @slow
 @needs_trl
 def test_pth_applies_the_trl_target_when_trl_utils_is_imported(venv):
@@ -787,6 +803,7 @@ emit(r)
 """
 
 
+@pytest.mark.depends_on("python", "torch", "trl")
 @slow
 @needs_trl
 def test_import_auto_at_the_top_of_a_trl_script_applies_the_trl_target(venv, tmp_path):
@@ -817,6 +834,7 @@ if r["rank"] == 0:
 """
 
 
+@pytest.mark.depends_on("python", "torch", "trl", "accelerate")
 @slow
 @needs_trl
 def test_accelerate_launch_every_rank_applies_the_trl_target(venv, tmp_path):
@@ -838,6 +856,7 @@ def test_accelerate_launch_every_rank_applies_the_trl_target(venv, tmp_path):
 
 NEW_FRAMEWORKS = [d for d in ("areal", "llamafactory") if guards.installed_version(d)]
 
+@pytest.mark.depends_on("python", "torch", "areal", "llamafactory")
 @slow
 @pytest.mark.skipif(not HAS_TORCH or not NEW_FRAMEWORKS, reason="neither areal nor llamafactory is installed")
 def test_torchrun_every_rank_applies_to_areal_and_llamafactory(venv, tmp_path):

@@ -8,6 +8,9 @@ import pytest
 
 from fsdp2_compat.core import engine
 
+# The releases this module's outcome depends on: .ci/test runs it once per distinct set of them (.ci/matrix.py).
+DEPENDS_ON = ("python",)
+
 
 def test_runtime_env_fresh(monkeypatch):
     from fsdp2_compat.activation.ray_env import SETUP_HOOK, runtime_env

@@ -5,6 +5,9 @@ import types
 
 import pytest
 
+# The releases this module's outcome depends on: .ci/test runs it once per distinct set of them (.ci/matrix.py).
+DEPENDS_ON = ("python",)
+
 
 @pytest.fixture
 def modules():

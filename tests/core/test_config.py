@@ -5,6 +5,9 @@ import pytest
 from fsdp2_compat import registry
 from fsdp2_compat.core import config
 
+# The releases this module's outcome depends on: .ci/test runs it once per distinct set of them (.ci/matrix.py).
+DEPENDS_ON = ("python",)
+
 NAMES = registry.names()
 
 

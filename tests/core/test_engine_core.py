@@ -14,6 +14,9 @@ import pytest
 import fsdp2_compat
 from fsdp2_compat.core import aliases, engine, hooks
 
+# The releases this module's outcome depends on: .ci/test runs it once per distinct set of them (.ci/matrix.py).
+DEPENDS_ON = ("python",)
+
 
 def outcome_of(target, patch="toy"):
     [outcome] = [o for n, o in engine.outcomes([patch]) if o.target is target]

@@ -6,6 +6,9 @@ import pytest
 
 from fsdp2_compat.core import guards
 
+# The releases this module's outcome depends on: .ci/test runs it once per distinct set of them (.ci/matrix.py).
+DEPENDS_ON = ("python",)
+
 SOURCE = textwrap.dedent('''
     def f(x):
         """Doc."""

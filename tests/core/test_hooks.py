@@ -7,6 +7,9 @@ import pytest
 
 from fsdp2_compat.core import hooks
 
+# The releases this module's outcome depends on: .ci/test runs it once per distinct set of them (.ci/matrix.py).
+DEPENDS_ON = ("python",)
+
 
 @pytest.fixture
 def module_dir(tmp_path, monkeypatch):

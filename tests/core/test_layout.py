@@ -14,6 +14,9 @@ import sys
 
 import pytest
 
+# The releases this module's outcome depends on: .ci/test runs it once per distinct set of them (.ci/matrix.py).
+DEPENDS_ON = ("python",)
+
 PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "fsdp2_compat")
 MAX_LINES = 500
 

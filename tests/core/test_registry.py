@@ -5,6 +5,9 @@ import re
 from fsdp2_compat import integrations, registry
 from fsdp2_compat.core.records import Patch, Target
 
+# The releases this module's outcome depends on: .ci/test runs it once per distinct set of them (.ci/matrix.py).
+DEPENDS_ON = ("python",)
+
 
 def test_every_model_type_is_listed_by_exactly_one_patch():
     seen = {}

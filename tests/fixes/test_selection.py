@@ -13,6 +13,9 @@ from fsdp2_compat.fixes.selection import (  # noqa: E402
     select_wrap_targets,
 )
 
+# The releases this module's outcome depends on: .ci/test runs it once per distinct set of them (.ci/matrix.py).
+DEPENDS_ON = ("torch", "transformers", "peft")
+
 
 def names(model, modules):
     lookup = {id(m): n for n, m in model.named_modules()}

@@ -15,6 +15,9 @@ import pytest
 from fsdp2_compat.core import guards
 from fsdp2_compat.integrations import areal
 
+# The releases this module's outcome depends on: .ci/test runs it once per distinct set of them (.ci/matrix.py).
+DEPENDS_ON = ("python", "areal")
+
 pytestmark = pytest.mark.skipif(guards.installed_version("areal") is None, reason="areal not in this pinned set")
 
 SCRIPT = """

@@ -26,6 +26,9 @@ import pytest
 from fsdp2_compat import registry
 from support import census
 
+# The releases this module's outcome depends on: .ci/test runs it once per distinct set of them (.ci/matrix.py).
+DEPENDS_ON = ()
+
 pytestmark = pytest.mark.skipif(
     os.environ.get("FSDP2_CI_CENSUS") != "1",
     reason="the release census reads every release from the registry: it runs once, in .ci/test's bare set "

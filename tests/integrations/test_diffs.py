@@ -32,6 +32,9 @@ from fsdp2_compat.tooling.scenarios import tie_flag_refusal
 from support import diffs, releases
 from support import oracle as oracle_jobs
 
+# The releases this module's outcome depends on: .ci/test runs it once per distinct set of them (.ci/matrix.py).
+DEPENDS_ON = ("torch", "transformers", "{framework}")
+
 REPO = diffs.REPO
 
 # The upstream releases the pinned test sets (.ci/sets) install.
@@ -111,6 +114,7 @@ def release_source(tmp_path_factory):
 # the patch-set
 
 
+@pytest.mark.depends_on()
 def test_patch_set_is_exactly_what_the_registry_implies():
     expected = {path for _, _, path in ALL_DIFFS}
     on_disk = set()
@@ -128,6 +132,7 @@ def test_patch_set_is_exactly_what_the_registry_implies():
         assert os.path.relpath(path, "patches") in index or path in index, "%s is not in patches/README.md" % path
 
 
+@pytest.mark.depends_on()
 def test_pinned_sets_are_covered():
     """Every framework release a CI set pins has its diffs here."""
     sets = os.path.join(REPO, ".ci", "sets")
@@ -143,6 +148,7 @@ def test_pinned_sets_are_covered():
     assert pins <= set(RELEASES), "pinned in .ci/sets but not in PINNED: %s" % sorted(pins - set(RELEASES))
 
 
+@pytest.mark.depends_on()
 def test_diffs_do_not_depend_on_fsdp2_compat():
     for _, _, path in ALL_DIFFS:
         text = open(os.path.join(REPO, path), encoding="utf-8").read()
@@ -150,7 +156,12 @@ def test_diffs_do_not_depend_on_fsdp2_compat():
         assert not any("fsdp2_compat" in l for l in added), path
 
 
-@pytest.mark.parametrize("dist,version,path", [pytest.param(*d, id=d[2][len("patches/"):]) for d in ALL_DIFFS])
+@pytest.mark.parametrize("dist,version,path", [
+    # A framework's release comes from its wheel wherever the tests run; torch's diffs are checked
+    # against the installed torch (its wheel is not downloaded).
+    pytest.param(*d, id=d[2][len("patches/"):],
+                 marks=pytest.mark.depends_on("torch") if d[0] == "torch" else pytest.mark.depends_on())
+    for d in ALL_DIFFS])
 def test_diff_applies_exactly_to_its_release(release_source, dist, version, path):
     root = release_source(dist, version)
     label = "%s %s (%s)" % (dist, version, "installed" if installed(dist) == version else "PyPI wheel")
@@ -170,6 +181,7 @@ def _other_selection_release(version):
     return next(v for v in PINNED["verl"] if guards.in_range(v, "<0.7.1") != inline)
 
 
+@pytest.mark.depends_on()
 def test_a_diff_that_does_not_fit_names_file_and_hunk(release_source):
     version = installed("verl") if installed("verl") in PINNED["verl"] else "0.9.1"
     root = release_source("verl", version)
@@ -187,6 +199,7 @@ def test_a_diff_that_does_not_fit_names_file_and_hunk(release_source):
         assert not gnu[0] and "verl/utils/fsdp_utils.py" in gnu[1] and "Hunk #1 FAILED" in gnu[1], gnu[1]
 
 
+@pytest.mark.depends_on()
 def test_a_drifted_line_and_an_offset_are_reported(tmp_path):
     import difflib
 
@@ -363,6 +376,7 @@ def test_patched_source_wraps_the_same_units_as_the_runtime_patch(oracle, framew
     ), "tied-by-weights models: upstream and fix agree everywhere"
 
 
+@pytest.mark.depends_on("torch", "transformers", "verl")
 @pytest.mark.skipif("verl" not in ORACLE_DISTS, reason="no pinned verl release installed here")
 def test_patched_source_fused_forwards_match_the_runtime_patch(oracle):
     source, runtime = _results(oracle, "fused")
@@ -401,6 +415,7 @@ def test_patched_source_fused_forwards_match_the_runtime_patch(oracle):
             assert crashed or res["lm_head_grad_err"] > 1e-3, (key, res)
 
 
+@pytest.mark.depends_on("torch", "transformers", "trl", "accelerate")
 @pytest.mark.skipif("trl" not in ORACLE_DISTS, reason="no pinned trl release installed here")
 def test_patched_source_trl_losses_match_the_runtime_patch(oracle):
     for family, path in TRL_CASES:

@@ -15,6 +15,9 @@ import fsdp2_compat
 from fsdp2_compat import registry
 from fsdp2_compat.core import engine, guards
 
+# The releases this module's outcome depends on: .ci/test runs it once per distinct set of them (.ci/matrix.py).
+DEPENDS_ON = ("python", "verl")
+
 VERL = guards.installed_version("verl")
 pytestmark = pytest.mark.skipif(VERL is None, reason="verl is not installed in this pinned set")
 
@@ -184,12 +187,28 @@ def test_drifted_code_of_a_requested_patch_warns_on_stderr_at_import(python):
                          for l in lines), proc.stderr
 
 
-def test_fixed_upstream_release_is_not_needed(monkeypatch):
+def test_fixed_upstream_release_is_not_needed_before_and_after_the_import(monkeypatch):
+    """A release inside ``fixed_in`` is "not needed" in status whether or not its module was imported
+    yet (status decides from the installed release), and the engine records the same at the import.
+    The test imports the module itself: it never relies on an earlier test having done so."""
+    from fsdp2_compat.core.status import status
+
     target = verl_selection_target()
     monkeypatch.setattr(target, "fixed_in", ">=%s" % VERL)
+    # Forget an earlier import (restored afterwards, in sys.modules and on the parent package).
+    parent, _, leaf = target.module.rpartition(".")
+    if target.module in sys.modules:
+        __import__(parent)
+        monkeypatch.setattr(sys.modules[parent], leaf, sys.modules[target.module])
+        monkeypatch.delitem(sys.modules, target.module)
     fsdp2_compat.apply("glm4v")
+    [before] = [r for r in status(["glm4v"]) if r["target"] == target.key]
+    assert before["outcome"] == engine.NOT_NEEDED and "not imported yet" in before["detail"]
+    __import__(target.module)
     [outcome] = [o for n, o in engine.outcomes(["glm4v"]) if o.target is target]
-    assert outcome.kind == engine.NOT_NEEDED
+    assert outcome.kind == engine.NOT_NEEDED and "fixed upstream" in outcome.detail
+    [after] = [r for r in status(["glm4v"]) if r["target"] == target.key]
+    assert after["outcome"] == engine.NOT_NEEDED
 
 
 def test_failure_midway_leaves_nothing_half_applied(monkeypatch):
@@ -263,6 +282,7 @@ def test_status_cli_reports_the_applied_patch_as_json(python):
         assert r["outcome"] == "other seam" and target.attr in r["detail"], r
 
 
+@pytest.mark.depends_on("python", "{framework}")
 def test_status_shows_glm4v_applied_for_every_installed_framework(python):
     proc = python(
         """

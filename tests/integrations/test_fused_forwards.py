@@ -16,6 +16,9 @@ from fsdp2_compat.tooling import tiny as tiny_models  # noqa: E402
 from fsdp2_compat.tooling.ranks import run_ranks  # noqa: E402
 from fsdp2_compat.tooling.scenarios import train_fused  # noqa: E402
 
+# The releases this module's outcome depends on: .ci/test runs it once per distinct set of them (.ci/matrix.py).
+DEPENDS_ON = ("torch", "transformers", "verl")
+
 VERL = guards.installed_version("verl")
 pytestmark = pytest.mark.skipif(
     VERL is None or not guards.in_range(VERL, ">=0.6.0"), reason="needs verl >= 0.6.0 (fused Qwen3-VL forward)"

@@ -43,6 +43,9 @@ from fsdp2_compat.core import guards  # noqa: E402
 from fsdp2_compat.tooling.ranks import run_ranks  # noqa: E402
 from support import accum_jobs  # noqa: E402
 
+# The releases this module's outcome depends on: .ci/test runs it once per distinct set of them (.ci/matrix.py).
+DEPENDS_ON = ("torch", "transformers", "{framework}")
+
 TORCH = guards.installed_version("torch")
 pytestmark = pytest.mark.skipif(
     not guards.in_range(TORCH, ">=2.7.0,<2.15.0"),
@@ -79,18 +82,21 @@ def _toy(patches, unused=False, sync="deferred"):
     return run_ranks(accum_jobs.toy_accumulation, 2, patches, unused, sync)
 
 
+@pytest.mark.depends_on("torch")
 @pytest.mark.parametrize("unused", [False, True], ids=["skipped-unit", "reduce-scatter-unused-params"])
 def test_unpatched_fsdp2_crashes_when_a_deferred_micro_batch_skips_a_unit(unused):
     for r in _toy(None, unused):
         assert r["error"] == ATTRIBUTE_ERROR, r["error"]
 
 
+@pytest.mark.depends_on("torch")
 @pytest.mark.parametrize("unused", [False, True], ids=["skipped-unit", "reduce-scatter-unused-params"])
 def test_the_guard_alone_meets_the_mixed_gradient_dtype_assertion(unused):
     for r in _toy(["t-guard"], unused):
         assert r["error"] is not None and MIXED_DTYPES.match(r["error"]), r["error"]
 
 
+@pytest.mark.depends_on("torch")
 @pytest.mark.parametrize("unused", [False, True], ids=["skipped-unit", "reduce-scatter-unused-params"])
 def test_both_seams_reduce_the_dp_average_as_sync_on_every_micro_batch_does(unused):
     patched = _toy(["t-accum"], unused)
@@ -304,6 +310,7 @@ def _fused_results(family, patch, steps):
     return _FUSED_RESULTS[family]
 
 
+@pytest.mark.depends_on("torch", "transformers", "verl")
 @pytest.mark.parametrize("family,patch,steps", FUSED)
 def test_issue_7520_setup_trains_every_gradient_to_the_dp_average_through_the_lm_head_patch(family, patch, steps):
     results = _fused_results(family, patch, steps)
@@ -318,6 +325,7 @@ def test_issue_7520_setup_trains_every_gradient_to_the_dp_average_through_the_lm
     assert results[0]["fp32"]["losses"] != results[1]["fp32"]["losses"], "same data on both ranks"
 
 
+@pytest.mark.depends_on("torch", "transformers", "verl")
 @pytest.mark.parametrize("family,patch,steps", FUSED[:1])
 def test_issue_7520_unpatched_crashes_and_the_guard_alone_leaves_lm_head_unaveraged(family, patch, steps):
     for r in _fused_results(family, patch, steps):

@@ -30,6 +30,9 @@ from fsdp2_compat.tooling.ranks import run_ranks  # noqa: E402
 from fsdp2_compat.tooling.scenarios import train, with_lora  # noqa: E402
 from support.rank_jobs import lf_call_forms  # noqa: E402
 
+# The releases this module's outcome depends on: .ci/test runs it once per distinct set of them (.ci/matrix.py).
+DEPENDS_ON = ("torch", "transformers", "llamafactory", "peft")
+
 TOL = 1e-5
 FAMILIES = [f for f in tiny_models.FAMILIES if tiny_models.available(f) is True]
 

@@ -23,6 +23,9 @@ from fsdp2_compat.tooling.ranks import run_ranks  # noqa: E402
 from support import accum_jobs  # noqa: E402
 from support.release_jobs import first  # noqa: E402
 
+# The releases this module's outcome depends on: .ci/test runs it once per distinct set of them (.ci/matrix.py).
+DEPENDS_ON = ("torch", "transformers", "verl")
+
 VERL = guards.installed_version("verl")
 pytestmark = pytest.mark.skipif(
     VERL is None or not guards.in_range(VERL, ">=0.7.1"),

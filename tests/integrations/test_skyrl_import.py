@@ -13,6 +13,9 @@ import pytest
 
 from fsdp2_compat.core import guards
 
+# The releases this module's outcome depends on: .ci/test runs it once per distinct set of them (.ci/matrix.py).
+DEPENDS_ON = ("python", "skyrl")
+
 SKYRL = guards.installed_version("skyrl")
 pytestmark = pytest.mark.skipif(
     SKYRL is None or not guards.in_range(SKYRL, ">=0.2.0"),

@@ -26,6 +26,9 @@ from fsdp2_compat.tooling import tiny as tiny_models  # noqa: E402
 from fsdp2_compat.tooling.engines import common, skyrl_strategy  # noqa: E402
 from fsdp2_compat.tooling.ranks import run_ranks  # noqa: E402
 
+# The releases this module's outcome depends on: .ci/test runs it once per distinct set of them (.ci/matrix.py).
+DEPENDS_ON = ("torch", "transformers", "skyrl")
+
 RUNNABLE = skyrl_strategy.runnable()
 pytestmark = pytest.mark.skipif(RUNNABLE is not True, reason=str(RUNNABLE))
 

@@ -14,6 +14,9 @@ import pytest
 from fsdp2_compat import integrations
 from fsdp2_compat.core import guards
 
+# The releases this module's outcome depends on: .ci/test runs it once per distinct set of them (.ci/matrix.py).
+DEPENDS_ON = ("python", "skyrl", "skyrl-train")
+
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DISTS = [
     pytest.param(d, marks=pytest.mark.skipif(guards.installed_version(d) is None, reason="%s not in this pinned set" % d))

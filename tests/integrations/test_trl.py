@@ -27,6 +27,9 @@ from fsdp2_compat.tooling.ranks import run_ranks  # noqa: E402
 from fsdp2_compat.tooling.trl_scenarios import train_trl  # noqa: E402
 from support import trl_jobs  # noqa: E402
 
+# The releases this module's outcome depends on: .ci/test runs it once per distinct set of them (.ci/matrix.py).
+DEPENDS_ON = ("torch", "transformers", "trl", "accelerate")
+
 TRL = guards.installed_version("trl")
 ACCELERATE = guards.installed_version("accelerate")
 pytestmark = [

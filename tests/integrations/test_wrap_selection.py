@@ -33,6 +33,9 @@ from fsdp2_compat.tooling.ranks import run_ranks  # noqa: E402
 from fsdp2_compat.tooling.scenarios import tie_flag_refusal, train  # noqa: E402
 from support.rank_jobs import train_families, wrap_plans  # noqa: E402
 
+# The releases this module's outcome depends on: .ci/test runs it once per distinct set of them (.ci/matrix.py).
+DEPENDS_ON = ("torch", "transformers", "{framework}")
+
 FRAMEWORKS = [
     pytest.param(i.dist, marks=pytest.mark.skipif(guards.installed_version(i.dist) is None,
                                                   reason="%s not in this pinned set" % i.dist))

@@ -27,6 +27,9 @@ from fsdp2_compat.fixes import glm4v_forward  # noqa: E402
 from fsdp2_compat.tooling import tiny as tiny_models  # noqa: E402
 from support import real_size  # noqa: E402
 
+# The releases this module's outcome depends on: .ci/test runs it once per distinct set of them (.ci/matrix.py).
+DEPENDS_ON = ("torch", "transformers")
+
 VERL = guards.installed_version("verl")
 needs_verl = pytest.mark.skipif(VERL is None, reason="verl is not installed")
 needs_areal = pytest.mark.skipif(guards.installed_version("areal") is None, reason="areal is not installed")
@@ -67,6 +70,7 @@ def upstream_plans():
 # GLM4V
 
 
+@pytest.mark.depends_on("torch", "transformers", "verl", "areal", "llamafactory")
 @pytest.mark.parametrize("plan", upstream_plans())
 def test_glm4v_position_embedding_is_the_only_hazard_under_upstream_plans(plan):
     hazards = run_plan("glm4v", plan)
@@ -79,6 +83,7 @@ def test_glm4v_position_embedding_is_the_only_hazard_under_upstream_plans(plan):
     assert h.patch == "glm4v" and "glm4v" in h.advice
 
 
+@pytest.mark.depends_on("torch", "transformers", "verl")
 @pytest.mark.parametrize("plan", ["fixed", pytest.param("fixed-verl", marks=needs_verl)])
 def test_glm4v_fixed_plan_has_no_hazard(plan):
     model, _ = tiny("glm4v")
@@ -95,6 +100,7 @@ def test_hyperparallel_plan_flags_glm4v_position_embedding_and_no_patch_covers_i
     assert hazards[0].patch is None and hazards[0].advice.startswith(audit.NO_PATCH)
 
 
+@pytest.mark.depends_on("torch", "transformers", "verl")
 @needs_verl
 def test_verl_plan_is_computed_unpatched_while_our_patch_is_applied():
     import importlib
@@ -108,6 +114,7 @@ def test_verl_plan_is_computed_unpatched_while_our_patch_is_applied():
     assert "model.visual.embeddings.position_embedding" in audit.plan_modules(model, "verl")
 
 
+@pytest.mark.depends_on("torch", "transformers", "llamafactory")
 @needs_lf
 def test_llamafactory_plan_is_computed_unpatched_while_our_patch_is_applied():
     """The lookup fix is in place, yet the plan shows what 0.9.5 does on transformers 5.x."""
@@ -123,6 +130,7 @@ def test_llamafactory_plan_is_computed_unpatched_while_our_patch_is_applied():
         assert not any("blocks" in u or "layers" in u for u in units), units  # no layer class found
 
 
+@pytest.mark.depends_on("torch", "transformers", "areal", "llamafactory")
 @pytest.mark.parametrize("plan", [pytest.param("areal", marks=needs_areal), pytest.param("llamafactory", marks=needs_lf)])
 def test_upstream_plan_refuses_code_it_does_not_know(plan, monkeypatch):
     from fsdp2_compat.integrations import areal, llamafactory
@@ -136,6 +144,7 @@ def test_upstream_plan_refuses_code_it_does_not_know(plan, monkeypatch):
 
 @pytest.mark.parametrize("framework", [pytest.param("areal", marks=needs_areal),
                                        pytest.param("llamafactory", marks=needs_lf)])
+@pytest.mark.depends_on("torch", "transformers", "{framework}")
 def test_upstream_plan_is_the_units_the_installed_release_creates(framework):
     """The audit's plan and the release's own entry point on real FSDP2 (1 gloo rank), every family."""
     from fsdp2_compat.tooling.ranks import run_ranks
@@ -152,6 +161,7 @@ def test_upstream_plan_is_the_units_the_installed_release_creates(framework):
 # controls
 
 
+@pytest.mark.depends_on("torch", "transformers", "verl", "areal", "llamafactory")
 @pytest.mark.parametrize("plan", upstream_plans() + ["fixed", pytest.param("fixed-verl", marks=needs_verl), "hyperparallel"])
 @pytest.mark.parametrize("family", ["qwen3_vl", "qwen2", "llama"])
 def test_controls_have_no_hazard_under_every_plan(family, plan):
@@ -176,6 +186,7 @@ for family in ("qwen3_vl", "qwen2", "glm4v", "glm4v_moe"):
 """
 
 
+@pytest.mark.depends_on("torch", "transformers", "verl")
 @needs_verl
 @pytest.mark.skipif(VERL is None or not guards.in_range(VERL, ">=0.6.0"), reason="verl < 0.6.0 has no fused Qwen3-VL forward")
 def test_fused_forward_lm_head_read(python):

@@ -7,6 +7,9 @@ import pytest
 from fsdp2_compat import integrations
 from fsdp2_compat.core import guards
 
+# The releases this module's outcome depends on: .ci/test runs it once per distinct set of them (.ci/matrix.py).
+DEPENDS_ON = ("torch", "transformers", "verl", "skyrl", "skyrl-train", "areal", "llamafactory", "trl", "accelerate")
+
 # Frameworks with a wrap selection of their own (TRL leaves wrapping to accelerate: its rows are below).
 FRAMEWORKS = [i.dist for i in integrations.wrapping() if guards.installed_version(i.dist)]
 needs_framework = pytest.mark.skipif(not FRAMEWORKS, reason="no verl / SkyRL installed in this pinned set")

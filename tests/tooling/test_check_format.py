@@ -2,6 +2,9 @@
 
 from fsdp2_compat.tooling import check
 
+# The releases this module's outcome depends on: .ci/test runs it once per distinct set of them (.ci/matrix.py).
+DEPENDS_ON = ()
+
 ERROR = ("step 0: RuntimeError: aten.grid_sampler_2d.default got mixed torch.Tensor and DTensor, "
          "need to convert all torch.Tensor to DTensor before calling distributed operators!")
 

@@ -6,6 +6,9 @@ import re
 from fsdp2_compat import registry
 from fsdp2_compat.cli import list_markdown
 
+# The releases this module's outcome depends on: .ci/test runs it once per distinct set of them (.ci/matrix.py).
+DEPENDS_ON = ()
+
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "README.md")
 
 
