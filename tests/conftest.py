@@ -52,8 +52,9 @@ def _no_leftover_patches():
 # only where no earlier set pins the same releases of what it depends on (its
 # module's DEPENDS_ON, or a ``depends_on`` marker).  Without FSDP2_CI_SET
 # (a developer's plain ``pytest``) everything runs.  FSDP2_CI_ORDER=reverse
-# runs the collected tests in reversed order: .ci/test uses it for every
-# other set, so no test can rely on what an earlier test imported or left.
+# runs the collected tests in reversed order (.ci/test uses it for every other
+# set, so no test can rely on what an earlier test imported or left), and
+# FSDP2_CI_ORDER=random:SEED in a seeded random order.
 
 
 def pytest_configure(config):
@@ -93,5 +94,12 @@ def pytest_collection_modifyitems(config, items):
         if proven:
             config.hook.pytest_deselected(items=proven)
             items[:] = keep
-    if os.environ.get("FSDP2_CI_ORDER") == "reverse":
+    order = os.environ.get("FSDP2_CI_ORDER", "forward")
+    if order == "reverse":
         items.reverse()
+    elif order.startswith("random:"):  # random:SEED, for a one-off check of order independence
+        import random
+
+        random.Random(order.partition(":")[2]).shuffle(items)
+    elif order != "forward":
+        raise pytest.UsageError("FSDP2_CI_ORDER=%s: use forward, reverse or random:SEED" % order)
