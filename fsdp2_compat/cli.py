@@ -2,7 +2,8 @@
 
     fsdp2-compat check [--json] [--verbose] [--families a,b]
     fsdp2-compat audit --model FAMILY --plan verl|skyrl|fixed|hyperparallel|NAMES [--json]
-    fsdp2-compat status [--json] [--patches NAMES] [--no-import]
+    fsdp2-compat status [--json] [--wide] [--patches NAMES] [--no-import]
+    fsdp2-compat doctor PATH | --model-type TYPE [--json]
     fsdp2-compat list [--markdown]
     fsdp2-compat fingerprint FILE NAME
 """
@@ -15,7 +16,7 @@ import sys
 def _cmd_status(args):
     from . import registry
     from .core import config, engine
-    from .core.status import format_table, status
+    from .core.status import by_target, format_table, status
 
     selection = args.patches if args.patches is not None else config.explicit_selection()
     chosen = engine.apply(selection)
@@ -40,17 +41,26 @@ def _cmd_status(args):
     activation = activation_summary()
     if args.json:
         json.dump(
-            {"requested": list(chosen), "rows": rows, "import_errors": errors, "activation": activation},
+            {"requested": list(chosen), "rows": rows, "targets": by_target(rows), "import_errors": errors,
+             "activation": activation},
             sys.stdout,
             indent=2,
             default=str,
         )
         sys.stdout.write("\n")
     else:
-        print("requested: %s" % (", ".join(chosen) or "none"))
-        print(format_table(rows))
-        from .core.status import legend
+        import shutil
 
+        from .core.status import by_target, format_compact, headline, legend
+
+        targets = by_target(rows)
+        for line in headline(targets):
+            print(line)
+        print("requested: %s" % (", ".join(chosen) or "none"))
+        if args.wide:
+            print(format_table(rows))
+        else:
+            print(format_compact(targets, shutil.get_terminal_size((120, 24)).columns))
         for outcome, meaning in legend(rows):
             print("  %-34s %s" % (outcome, meaning))
         for module, error in errors.items():
@@ -65,6 +75,12 @@ def _cmd_check(args):
     from .tooling import check
 
     return check.main(args)
+
+
+def _cmd_doctor(args):
+    from .tooling import doctor
+
+    return doctor.run(args)
 
 
 def _cmd_list(args):
@@ -141,7 +157,14 @@ def main(argv=None):
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--patches", help="selection like FSDP2_COMPAT_PATCHES (default: that variable, or all)")
     p.add_argument("--no-import", action="store_true", help="do not import upstream modules; show what waits")
+    p.add_argument("--wide", action="store_true", help="one row per (patch, target), every column in full")
     p.set_defaults(func=_cmd_status)
+
+    p = sub.add_parser("doctor", help="which patch a model needs on this stack, and the line to export")
+    p.add_argument("path", nargs="?", help="a config.json, or a checkpoint directory holding one (read locally)")
+    p.add_argument("--model-type", help="a transformers model_type instead of a config (glm4v, qwen3_vl, ...)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=_cmd_doctor)
 
     p = sub.add_parser("list", help="list patches, the families they cover and their targets")
     p.add_argument("--markdown", action="store_true", help="the README's table of patches")

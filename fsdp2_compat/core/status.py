@@ -95,3 +95,47 @@ def format_table(rows, columns=("patch", "dist", "found", "required", "what", "o
     for b in body:
         lines.append("  ".join(v.ljust(w) for v, w in zip(b, widths)).rstrip())
     return "\n".join(lines)
+
+
+def by_target(rows):
+    """One row per target: ``status()``'s rows merged, with every patch that requested it in ``patches``.
+
+    A target several patches carry (torch's accumulation seams are in every multimodal patch) has
+    one outcome: it is applied once.
+    """
+    merged = {}
+    for row in rows:
+        if row["target"] not in merged:
+            merged[row["target"]] = dict(row, patches=[])
+        merged[row["target"]]["patches"].append(row["patch"])
+    for row in merged.values():
+        row.pop("patch", None)
+    return list(merged.values())
+
+
+def headline(rows):
+    """The first lines of ``status``: is anything requested refused or failed, and why (one line each)."""
+    problems = [r for r in rows if r["outcome"] in engine.PROBLEMS]
+    applied = sum(r["outcome"] == engine.APPLIED for r in rows)
+    if not problems:
+        return ["ok: nothing requested was refused (%d applied, %d targets)" % (applied, len(rows))]
+    lines = ["NOT APPLIED: %d requested target(s) refused or failed (%d applied)" % (len(problems), applied)]
+    for r in problems:
+        lines.append("  %s %s: %s (%s): %s" % (r["dist"], r["found"] or "", r["what"], r["outcome"], r["detail"]))
+    return lines
+
+
+def format_compact(rows, width=100):
+    """``by_target`` rows as one line each, fitted to ``width`` (the detail is cut; ``--wide`` has it all)."""
+    body = [("%s %s" % (r["dist"], r["found"] or "-"), "%s.%s" % (r["module"].rsplit(".", 1)[-1], r["attr"]),
+             r["outcome"], ",".join(r["patches"]) if len(r["patches"]) <= 3 else "%d patches" % len(r["patches"]),
+             r["detail"] or "") for r in rows]
+    header = ("RELEASE", "TARGET", "OUTCOME", "PATCHES", "DETAIL")
+    widths = [max([len(header[i])] + [len(b[i]) for b in body]) for i in range(4)]
+    lines = []
+    for cells in [header] + body:
+        head = "  ".join(c.ljust(w) for c, w in zip(cells[:4], widths))
+        room = max(width - len(head) - 2, 10)
+        detail = cells[4] if len(cells[4]) <= room else cells[4][: room - 3] + "..."
+        lines.append((head + "  " + detail).rstrip())
+    return "\n".join(lines)
