@@ -132,10 +132,14 @@ def format_compact(rows, width=100):
              r["detail"] or "") for r in rows]
     header = ("RELEASE", "TARGET", "OUTCOME", "PATCHES", "DETAIL")
     widths = [max([len(header[i])] + [len(b[i]) for b in body]) for i in range(4)]
+    # The target's name gives way first (its tail names the function), then the detail.
+    widths[1] = max(min(widths[1], width - sum(widths) + widths[1] - 3 * 2 - 12), 16)
     lines = []
     for cells in [header] + body:
+        target = cells[1] if len(cells[1]) <= widths[1] else "..." + cells[1][-(widths[1] - 3):]
+        cells = (cells[0], target) + tuple(cells[2:])
         head = "  ".join(c.ljust(w) for c, w in zip(cells[:4], widths))
-        room = max(width - len(head) - 2, 10)
-        detail = cells[4] if len(cells[4]) <= room else cells[4][: room - 3] + "..."
-        lines.append((head + "  " + detail).rstrip())
+        room = width - len(head) - 2
+        detail = cells[4] if len(cells[4]) <= room else cells[4][: max(room - 3, 0)] + "..." if room > 3 else ""
+        lines.append((head + "  " + detail).rstrip()[:max(width, len(head))])
     return "\n".join(lines)
