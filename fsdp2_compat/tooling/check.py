@@ -40,6 +40,8 @@ import json
 import sys
 import time
 
+from .check_table import COLUMNS, _LAST_MIN, format_lines, format_rows, summary_line  # noqa: F401  (check.format_rows)
+
 TOL = 1e-5
 VERL_FUSED_PREFIX = "verl.models.transformers."
 
@@ -367,37 +369,6 @@ def run_checks(families=None, frameworks=None, progress=None):
     return rows
 
 
-COLUMNS = ("framework", "family", "kind", "patch", "loss_match", "patched", "unpatched")
-_WRAPPED = {"patched": 24}  # free-text columns before the last: wrap at this width
-_LAST_MIN = 24
-
-
-def format_rows(rows, width=None):
-    """The table, every cell in full: the free-text cells wrap at word boundaries, the last one to ``width``
-    (but never narrower than ``_LAST_MIN`` characters)."""
-    import shutil
-    import textwrap
-
-    width = width or max(100, shutil.get_terminal_size((120, 24)).columns)
-    display = []
-    for r in rows:
-        d = {c: str(r.get(c, "")) for c in COLUMNS}
-        d["framework"] = "%s %s" % (r["framework"], r["version"])
-        d["loss_match"] = "-" if r["loss_err"] is None else ("yes" if r["loss_match"] else "NO") + " (%.1e)" % r["loss_err"]
-        display.append(d)
-    header = {c: c.upper() for c in COLUMNS}
-    widths = {c: min(_WRAPPED.get(c, 10**6), max(len(d[c]) for d in display + [header])) for c in COLUMNS[:-1]}
-    widths[COLUMNS[-1]] = max(_LAST_MIN, width - sum(widths.values()) - 2 * (len(COLUMNS) - 1))
-    lines = []
-    for d in [header] + display:
-        cells = {c: textwrap.wrap(d[c], widths[c], break_long_words=False, break_on_hyphens=False) or [""]
-                 for c in COLUMNS}
-        for k in range(max(len(v) for v in cells.values())):
-            parts = [(cells[c][k] if k < len(cells[c]) else "").ljust(widths[c]) for c in COLUMNS]
-            lines.append("  ".join(parts).rstrip())
-    return "\n".join(lines)
-
-
 def _print_outputs(row):
     for side in ("unpatched", "patched"):
         text = row["output"][side].rstrip()
@@ -429,10 +400,11 @@ def main(args):
         else:
             print("nothing to check: none of %s is installed" % ", ".join(integrations.dists()))
         return 0
-    print(format_rows(rows))
     skipped = sum(r["fixed"] is None for r in rows)
-    print("%d cases, %d not fixed, %d not applicable (framework not importable, or it refuses the config), %.1f s" % (
-        len(rows) - skipped, len(failed), skipped, time.time() - start))
+    summary = summary_line(rows, time.time() - start)
+    print(summary)
+    print(format_rows(rows) if getattr(args, "verbose", False) else format_lines(rows))
+    print(summary)
     if any(r["kind"] in ("fused, 2 ranks", TRL_KIND) for r in rows):
         print("note: '2 ranks' rows train on two gloo ranks with different data and compare the "
               "lm_head gradient with the data-parallel average; one rank cannot show that bug.")
@@ -443,6 +415,10 @@ def main(args):
         if any(r["kind"] in ENGINES and r.get("tol", TOL) > TOL for r in rows):
             print("note: a row whose engine computes in bf16 whatever the policy (verl 0.7.0 autocasts its "
                   "forward to bf16) is held to bf16's bound, 1e-2, instead of 1e-5.")
+    if skipped:
+        print("note: %d case(s) not applicable here (framework not importable, or it refuses the config)" % skipped)
+    if not getattr(args, "verbose", False):
+        print("full messages and what upstream printed: fsdp2-compat check --verbose (or --json)")
     shown = [r for r in rows if getattr(args, "verbose", False) or r["fixed"] is False]
     if shown:
         print()

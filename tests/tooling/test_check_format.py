@@ -36,3 +36,20 @@ def test_narrow_terminals_still_get_a_readable_last_column():
     last = [line.rstrip().rsplit("  ", 1)[-1].strip() for line in body]
     assert " ".join(last).split() == ERROR.split()  # the whole message, in order
     assert all(len(piece) <= check._LAST_MIN or " " not in piece for piece in last)
+
+
+def test_by_default_each_case_is_one_line_with_a_short_symptom():
+    from fsdp2_compat.tooling import check_table
+
+    rows = [_row(), _row(family="qwen3_vl", kind="fused, 2 ranks", patch="qwen3vl",
+                         unpatched="runs, but the lm_head.weight gradient misses the data-parallel average by 0.11"),
+            _row(family="lfm2_vl", unpatched="ok"), _row(family="step3p7", unpatched="AttributeError: x", patched="-",
+                                                         fixed=None, loss_err=None)]
+    lines = check_table.format_lines(rows).splitlines()
+    assert len(lines) == 1 + len(rows)
+    assert "crash: aten.grid_sampler_2d mixed Tensor/DTensor" in lines[1]
+    assert "silent: lm_head.weight grad off the DP average by 0.11" in lines[2]
+    assert "not reproduced on this stack" in lines[3]  # the patch ran, but upstream did not fail here
+    assert "not reproduced" not in lines[4]  # not applicable: no claim either way
+    summary = check_table.summary_line(rows, 1.0)
+    assert summary.startswith("check: 3 cases, 3 fixed by their patch, 0 not fixed; the bug showed unpatched in 2")
