@@ -113,20 +113,10 @@ def classification(t):
 
 
 def list_markdown():
-    """The README's "What it fixes" table, from the catalogue (a test keeps the README equal to it)."""
-    from . import registry
+    """The README's two generated tables (family -> patch; upstream x kind of fix), from the catalogue."""
+    from .tooling import tables
 
-    lines = ["| patch | families (`model_type`) | symptom without it | where (code it fits) |", "|---|---|---|---|"]
-    for p in registry.PATCHES:
-        families = ", ".join("%s (`%s`)" % (label, mt) for mt, label in p.model_types.items())
-        if p.note:
-            families += "; " + p.note
-        spans = {}
-        for what, dist, lo, hi in registry.where(p):
-            spans.setdefault(what, []).append("%s %s" % (dist, lo if lo == hi else "%s-%s" % (lo, hi)))
-        where = "; ".join("%s: %s" % (what, ", ".join(found)) for what, found in spans.items())
-        lines.append("| `%s` | %s | %s | %s |" % (p.name, families, p.summary, where))
-    return "\n".join(lines)
+    return tables.patch_table() + "\n\n" + tables.matrix_table()
 
 
 def _cmd_fingerprint(args):
@@ -167,7 +157,7 @@ def main(argv=None):
     p.set_defaults(func=_cmd_doctor)
 
     p = sub.add_parser("list", help="list patches, the families they cover and their targets")
-    p.add_argument("--markdown", action="store_true", help="the README's table of patches")
+    p.add_argument("--markdown", action="store_true", help="the README's tables: family -> patch, upstream x fix")
     p.set_defaults(func=_cmd_list)
 
     p = sub.add_parser("fingerprint", help="fingerprint a function in a released source file")
