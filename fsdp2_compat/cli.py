@@ -90,7 +90,8 @@ def _cmd_list(args):
         print(list_markdown())
         return 0
     for p in registry.PATCHES:
-        print("%-14s %s" % (p.name, p.summary))
+        for i, symptom in enumerate(registry.symptoms(p)):
+            print("%-14s %s %s" % (p.name if i == 0 else "", "-" if i == 0 else "+", symptom))
         print("%-14s model types: %s%s" % ("", ", ".join(p.families), "; " + p.note if p.note else ""))
         for t in p.targets:
             print("%-14s   %s.%s (%s)" % ("", t.module, t.attr, t.dist))

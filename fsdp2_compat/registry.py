@@ -47,28 +47,20 @@ _LM_HEAD_DELETE = (
 
 
 _ACCUM_REFS = ("pytorch issue #196996", "pytorch PR #194058", "verl PR #7475", "verl issue #7520")
-# Appended to the summary of every patch that carries GRAD_ACCUMULATION.
-_ACCUM_SYMPTOM = ("; torch FSDP2 with deferred gradient sync and a micro-batch that skips a unit (text-only): "
-                  "`AttributeError: 'FSDPParam' object has no attribute '_unsharded_param'`")
 _ACCUM_DELETE = "when every torch you run is >= 2.15.0 (FSDP2 accumulation rewritten around grad_dtype)"
 
 # TRL's reads of lm_head.weight outside its forward (fused LM head, distillation): the
 # unaveraged gradient on every untied VLM whose tail unit accelerate leaves without a norm.
 TRL = trl.TARGETS
-_TRL_SYMPTOM = ("TRL (accelerate >= 1.14 FSDP2, untied): silently **unaveraged `lm_head` gradient** in the fused "
-                "LM head (SFT, GRPO, RLOO, DPO, KTO) and distillation losses")
 _TRL_DELETE = "when TRL reads lm_head.weight through FSDP (not plain full_tensor()) in every release you run"
 
-_LF_SYMPTOM = ("; LLaMA-Factory 0.9.5 on transformers 5.x: \"Could not identify Transformer Layer class\", the "
-               "vision blocks stay in the root unit (Qwen3-VL in bf16: `RuntimeError: mixed dtype (CPU)` in the vision "
-               "LayerNorm)")
 _LF_DELETE = "when LLaMA-Factory's layer-class lookup reads a set _no_split_modules (main: PR #10656) in your release"
 
 
 def _selection_patch(name, summary, model_types, extra=(), delete_when=_SELECTION_DELETE):
     """A multimodal family whose problem is the wrap selection (plus ``extra`` targets, and torch's
     accumulation fix)."""
-    return Patch(name, summary + _ACCUM_SYMPTOM, model_types, WRAP_SELECTION + tuple(extra) + GRAD_ACCUMULATION,
+    return Patch(name, summary, model_types, WRAP_SELECTION + tuple(extra) + GRAD_ACCUMULATION,
                  _SELECTION_REFS + _ACCUM_REFS, delete_when + "; and " + _ACCUM_DELETE)
 
 
@@ -78,8 +70,7 @@ PATCHES = (
         summary="`aten.grid_sampler_2d.default got mixed torch.Tensor and DTensor` at the first forward (the "
         "vision `position_embedding` is read raw); with verl's `use_fused_kernels`, also its sharded `lm_head.weight` read; "
         "and verl's own GLM-4.1V forward fails outside transformers 5.0.0rc0-rc3 (`'BaseModelOutputWithPooling' object "
-        "has no attribute 'shape'` on 5.x, a 3-vs-4 size mismatch on 4.x); "
-        + _TRL_SYMPTOM + _ACCUM_SYMPTOM,
+        "has no attribute 'shape'` on 5.x, a 3-vs-4 size mismatch on 4.x);",
         model_types={"glm4v": "GLM-4.1V", "glm4v_moe": "GLM-4.5V", "glm46v": "GLM-4.6V"},
         # verl serves GLM-4.5V / GLM-4.6V (glm4v_moe) through dense_common's fused forward.
         # verl's own GLM-4.1V forward runs on the transformers verl admits only with GLM4V_FORWARD.
@@ -91,8 +82,7 @@ PATCHES = (
     Patch(
         name="qwen3vl",
         summary="verl fused kernels: `aten.mm.default` mixed Tensor/DTensor (0.7.1-0.8.0); silently **unaveraged "
-        "`lm_head` gradient** from plain `full_tensor()` (0.9.x), and with a bf16 policy a dtype-mismatch crash; "
-        + _TRL_SYMPTOM + _LF_SYMPTOM + _ACCUM_SYMPTOM,
+        "`lm_head` gradient** from plain `full_tensor()` (0.9.x), and with a bf16 policy a dtype-mismatch crash",
         model_types={"qwen3_vl": "Qwen3-VL", "qwen3_vl_moe": "Qwen3-VL-MoE"},
         targets=verl.QWEN3_VL_FUSED + TRL + LF_LAYER_LOOKUP + GRAD_ACCUMULATION,
         references=_LM_HEAD_REFS + _LF_REFS + _ACCUM_REFS,
@@ -102,7 +92,7 @@ PATCHES = (
     Patch(
         name="qwen2vl",
         summary="verl fused kernels: `aten.mm.default` mixed Tensor/DTensor (the sharded `lm_head.weight` is read "
-        "raw); " + _TRL_SYMPTOM + _LF_SYMPTOM + _ACCUM_SYMPTOM,
+        "raw)",
         model_types={"qwen2_vl": "Qwen2-VL", "qwen2_5_vl": "Qwen2.5-VL"},
         targets=verl.QWEN2_VL_FUSED + TRL + LF_LAYER_LOOKUP + GRAD_ACCUMULATION,
         references=_LM_HEAD_REFS + _LF_REFS + _ACCUM_REFS,
@@ -111,8 +101,7 @@ PATCHES = (
     ),
     Patch(
         name="qwen35",
-        summary="verl fused kernels: unaveraged `lm_head` gradient (plain `full_tensor()`); " + _TRL_SYMPTOM
-        + _LF_SYMPTOM + _ACCUM_SYMPTOM,
+        summary="verl fused kernels: unaveraged `lm_head` gradient (plain `full_tensor()`)",
         model_types={"qwen3_5": "Qwen3.5", "qwen3_5_moe": "Qwen3.5-MoE"},
         targets=verl.QWEN3_5_FUSED + TRL + LF_LAYER_LOOKUP + GRAD_ACCUMULATION,
         references=_LM_HEAD_REFS + _LF_REFS + _ACCUM_REFS,
@@ -133,7 +122,7 @@ PATCHES = (
     _selection_patch(
         "lfm2vl",
         "wrap-time `RuntimeError: Cannot concatenate overlapping meshes` (transformers 5.x), or a mixed "
-        "Tensor/DTensor read of the SigLIP2 `position_embedding` (untied checkpoints); " + _TRL_SYMPTOM,
+        "Tensor/DTensor read of the SigLIP2 `position_embedding` (untied checkpoints)",
         {"lfm2_vl": "LFM2-VL"},
         TRL,
         _SELECTION_DELETE + "; and " + _TRL_DELETE,
@@ -157,7 +146,7 @@ PATCHES = (
     _selection_patch(
         "paddleocrvl",
         "`aten.add.Tensor got mixed torch.Tensor and DTensor` (vision `position_embedding` read raw; transformers "
-        "< 5.15, from 5.15.0 it is called as a module); " + _TRL_SYMPTOM,
+        "< 5.15, from 5.15.0 it is called as a module)",
         {"paddleocr_vl": "PaddleOCR-VL"},
         TRL,
         _SELECTION_DELETE + "; and " + _TRL_DELETE,
@@ -202,6 +191,16 @@ PATCHES = (
 )
 
 _BY_NAME = {p.name: p for p in PATCHES}
+
+
+def symptoms(p):
+    """What ``p`` fixes, each symptom once: the family's own summary, then the symptoms its shared
+    targets own (TRL's reads, LLaMA-Factory's lookup, torch's accumulation), in target order."""
+    out = [p.summary]
+    for t in p.targets:
+        if t.symptom and t.symptom not in out:
+            out.append(t.symptom)
+    return out
 
 
 def names():

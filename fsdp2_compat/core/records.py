@@ -43,6 +43,9 @@ class Target:
                   release to be fingerprinted, fixed, declared or unsupported
     diff          stem of the equivalent source diff: the file for release X is
                   ``patches/<dist>/<X>/<diff>.diff`` in the repository
+    symptom       optional: what a user sees without this target, and on which stack, when
+                  the bug is not the family's own (TRL's reads, torch's accumulation): owned
+                  here once; ``registry.symptoms(patch)`` adds it to every patch carrying it
     layout        optional name shared by targets that are alternative code layouts
                   of one fix in one module (verl's selection moved from
                   ``apply_fsdp2`` to ``_select_fsdp2_wrap_targets`` in 0.7.1): a
@@ -51,10 +54,10 @@ class Target:
     """
 
     __slots__ = ("dist", "module", "attr", "versions", "fingerprints", "seam", "fixed_in", "declared",
-                 "unsupported", "diff", "what", "layout")
+                 "unsupported", "diff", "what", "layout", "symptom")
 
     def __init__(self, dist, module, attr, versions, fingerprints, seam, what, fixed_in=None, diff=None,
-                 declared=None, unsupported=None, layout=None):
+                 declared=None, unsupported=None, layout=None, symptom=None):
         self.dist = dist
         self.module = module
         self.attr = attr
@@ -67,6 +70,7 @@ class Target:
         self.unsupported = dict(unsupported or {})
         self.layout = layout
         self.diff = diff
+        self.symptom = symptom
 
     @property
     def key(self):
@@ -80,7 +84,8 @@ class Patch:
     """A user-facing patch name and the targets it needs.
 
     name         what users write in FSDP2_COMPAT_PATCHES
-    summary      one line: the symptom it fixes
+    summary      one line: the family's own symptom (symptoms its shared targets own are
+                 added by ``registry.symptoms``, never repeated here)
     model_types  ``{transformers model_type: display name}`` of the model
                  families it is for, in the order users read them; the one
                  map from a model to its patch (check, audit, tests, README)

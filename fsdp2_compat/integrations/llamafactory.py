@@ -111,6 +111,9 @@ LAYER_CLASS_LOOKUP = Target(
     what="FSDP2 layer-class lookup (ignores a set _no_split_modules)",
     declared=_NO_ENGINE,
     diff="wrap-selection",
+    symptom=("LLaMA-Factory 0.9.5 on transformers 5.x: \"Could not identify Transformer Layer class\", the vision "
+             "blocks stay in the root unit (Qwen3-VL in bf16: `RuntimeError: mixed dtype (CPU)` in the vision "
+             "LayerNorm)"),
 )
 
 

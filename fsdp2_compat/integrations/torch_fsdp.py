@@ -65,6 +65,9 @@ _NO_MODULE = (
 )
 _REWORKED = "accumulation rewritten around Parameter.grad_dtype, guarded with getattr(..., '_unsharded_param', None)"
 
+ACCUM_SYMPTOM = ("torch FSDP2 with deferred gradient sync and a micro-batch that skips a unit (text-only): "
+                 "`AttributeError: 'FSDPParam' object has no attribute '_unsharded_param'`")
+
 GRAD_ACCUM_GUARD = Target(
     dist="torch",
     module=FULLY_SHARD + "._fsdp_param",
@@ -78,6 +81,7 @@ GRAD_ACCUM_GUARD = Target(
     what="FSDP2 gradient accumulation (deferred upcast of a never-gathered parameter)",
     diff="fsdp-param-accumulation",
     declared={"<2.6.0": _NO_MODULE, ">=2.15.0": "method removed: " + _REWORKED},
+    symptom=ACCUM_SYMPTOM,
 )
 
 GRAD_ACCUM_UNIFORM = Target(
@@ -105,6 +109,7 @@ GRAD_ACCUM_UNIFORM = Target(
     what="FSDP2 gradient accumulation (uniform dtype after a partly-used deferred micro-batch)",
     diff="fsdp-param-group-accumulation",
     declared={"<2.6.0": _NO_MODULE, ">=2.15.0": "post_backward " + _REWORKED},
+    symptom=ACCUM_SYMPTOM,
 )
 
 GRAD_ACCUMULATION = (GRAD_ACCUM_GUARD, GRAD_ACCUM_UNIFORM)

@@ -87,6 +87,8 @@ INTEGRATION = Integration(
 )
 
 _PROVEN = "==1.16.0"
+SYMPTOM = ("TRL (accelerate >= 1.14 FSDP2, untied VLM): silently **unaveraged `lm_head` gradient** in the fused "
+           "LM head (SFT, GRPO, RLOO, DPO, KTO) and distillation losses")
 _WHAT = "TRL reads lm_head.weight outside its forward (%s)"
 _OLDER_READERS = (
     "no add_fused_lm_head; this release reads lm_head.weight through patch_chunked_lm_head (from 1.4.0 also "
@@ -105,6 +107,7 @@ FUSED_LM_HEAD = Target(
     diff="utils-lm-head",
     declared={"<1.1.0": "no add_fused_lm_head and no chunked lm_head reader in trl.trainer.utils"},
     unsupported={">=1.1.0,<1.15.0": _OLDER_READERS},
+    symptom=SYMPTOM,
 )
 
 DISTILLATION = Target(
@@ -123,6 +126,7 @@ DISTILLATION = Target(
     what=_WHAT % "distillation loss",
     diff="distillation_trainer-lm-head",
     declared={"<1.10.0": "no DistillationTrainer in trl.trainer.distillation_trainer"},
+    symptom=SYMPTOM,
 )
 
 ASYNC_DISTILLATION = Target(
@@ -139,6 +143,7 @@ ASYNC_DISTILLATION = Target(
     what=_WHAT % "async distillation loss",
     diff="async_distillation_trainer-lm-head",
     declared={"<1.11.0": "no trl.experimental.async_distillation"},
+    symptom=SYMPTOM,
 )
 
 TARGETS = (FUSED_LM_HEAD, DISTILLATION, ASYNC_DISTILLATION)

@@ -91,3 +91,15 @@ def test_a_transient_patch_can_be_registered_and_removed():
         registry.unregister("f2c-transient")
     assert "f2c-transient" not in registry.names()
     registry.unregister("f2c-transient")  # twice is fine
+
+
+def test_each_symptom_is_owned_once_and_reaches_every_patch_carrying_its_target():
+    owned = [t.symptom for t in registry.targets() if t.symptom]
+    for p in registry.PATCHES:
+        symptoms = registry.symptoms(p)
+        assert len(symptoms) == len(set(symptoms))
+        for t in p.targets:
+            if t.symptom:
+                assert t.symptom in symptoms
+                assert t.symptom not in p.summary, "%s repeats a symptom its target owns" % p.name
+    assert owned  # TRL's reads, LLaMA-Factory's lookup, torch's accumulation
