@@ -70,7 +70,7 @@ PATCHES = (
         summary="`aten.grid_sampler_2d.default got mixed torch.Tensor and DTensor` at the first forward (the "
         "vision `position_embedding` is read raw); with verl's `use_fused_kernels`, also its sharded `lm_head.weight` read; "
         "and verl's own GLM-4.1V forward fails outside transformers 5.0.0rc0-rc3 (`'BaseModelOutputWithPooling' object "
-        "has no attribute 'shape'` on 5.x, a 3-vs-4 size mismatch on 4.x);",
+        "has no attribute 'shape'` on 5.x, a 3-vs-4 size mismatch on 4.x)",
         model_types={"glm4v": "GLM-4.1V", "glm4v_moe": "GLM-4.5V", "glm46v": "GLM-4.6V"},
         # verl serves GLM-4.5V / GLM-4.6V (glm4v_moe) through dense_common's fused forward.
         # verl's own GLM-4.1V forward runs on the transformers verl admits only with GLM4V_FORWARD.
