@@ -23,6 +23,7 @@ tools: a module that depends on nothing runs there.
     python .ci/matrix.py check                                   every test module declares DEPENDS_ON
     python .ci/matrix.py order                                   the sets, in the order .ci/test runs them
     python .ci/matrix.py durations OUT.json SET.xml ...          per-set module seconds from junit files
+    python .ci/matrix.py verify [VENV_ROOT]                      every test a set leaves out is run where it says
 
 The tests' conftest applies the same rule to collected items when
 ``FSDP2_CI_SET`` names the set being run (``.ci/test`` sets it); without it
@@ -275,7 +276,49 @@ def durations(out_path, junit_paths):
     return table
 
 
+def verify(venv_root, out=sys.stdout):
+    """Collect every set that has a venv (``pytest --collect-only`` under FSDP2_CI_SET) and check that each
+    test a set leaves out is collected, and selected, in the set the matrix says proves it.  Returns the
+    problems (a missing venv is one)."""
+    import subprocess
+    import tempfile
+
+    sets = order()
+    selected, proven_by, problems = {}, {}, []
+    with tempfile.TemporaryDirectory() as tmp:
+        for s in sets:
+            python = os.path.join(venv_root, s, "bin", "python")
+            if not os.path.exists(python):
+                problems.append("%s: no venv at %s (bash .ci/install-set %s)" % (s, python, s))
+                continue
+            report = os.path.join(tmp, s + ".json")
+            env = dict(os.environ, FSDP2_CI_SET=s, FSDP2_CI_COLLECT_REPORT=report)
+            if s == BARE:
+                env["PYTHONPATH"] = ROOT
+            proc = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only", "tests"],
+                                  cwd=ROOT, env=env, capture_output=True, text=True)
+            if not os.path.exists(report):
+                problems.append("%s: collection failed (%d): %s" % (s, proc.returncode, proc.stdout[-500:]))
+                continue
+            with open(report) as f:
+                data = json.load(f)
+            selected[s] = set(data["selected"])
+            proven_by[s] = data["proven_by"]
+            out.write("%-10s %4d selected, %4d proven by an earlier set\n" % (s, len(selected[s]), len(proven_by[s])))
+    for s, left in proven_by.items():
+        for nodeid, by in left.items():
+            if by in selected and nodeid not in selected[by]:
+                problems.append("%s leaves out %s, but %s (which should prove it) does not run it" % (s, nodeid, by))
+    return problems
+
+
 def main(argv):
+    if argv[:1] == ["verify"]:
+        root = argv[1] if len(argv) > 1 else os.environ.get("FSDP2_CI_VENV_ROOT", os.path.join(ROOT, ".venv"))
+        problems = verify(root)
+        for p in problems:
+            print(p)
+        return 1 if problems else 0
     if argv[:1] == ["order"]:
         print(" ".join(order()))
         return 0

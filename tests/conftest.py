@@ -87,10 +87,20 @@ def pytest_collection_modifyitems(config, items):
         if set_name not in sets:
             raise pytest.UsageError("FSDP2_CI_SET=%s is not a pinned set (%s)" % (set_name, ", ".join(sets)))
         pinned = matrix.all_pins(sets, os.environ.get("FSDP2_CI_DEFAULT_PYTHON"))
-        keep, proven = [], []
+        keep, proven, proven_by = [], [], {}
         for item in items:
             dists = _item_depends(item, matrix)
-            (keep if dists is None or matrix.runs_in(set_name, dists, pinned, sets) else proven).append(item)
+            if dists is None or matrix.runs_in(set_name, dists, pinned, sets):
+                keep.append(item)
+            else:
+                proven.append(item)
+                proven_by[item.nodeid] = matrix.first_set(dists, pinned, sets)[matrix.key(pinned[set_name], dists)]
+        report = os.environ.get("FSDP2_CI_COLLECT_REPORT")  # .ci/matrix.py verify: who proves what
+        if report:
+            import json
+
+            with open(report, "w") as f:
+                json.dump({"set": set_name, "selected": [i.nodeid for i in keep], "proven_by": proven_by}, f)
         if proven:
             config.hook.pytest_deselected(items=proven)
             items[:] = keep
