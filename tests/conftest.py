@@ -72,7 +72,7 @@ def _matrix():
 
 def _item_depends(item, matrix):
     marker = item.get_closest_marker("depends_on")
-    depends = tuple(marker.args) if marker is not None else getattr(item.module, "DEPENDS_ON", None)
+    depends = tuple(marker.args) if marker is not None else getattr(getattr(item, "module", None), "DEPENDS_ON", None)
     if depends is None:
         return None
     framework = getattr(item, "callspec", None) and item.callspec.params.get("framework")
