@@ -396,3 +396,13 @@ def is_applied(name):
     """True when every target of ``name`` that met its module is applied."""
     rows = [o for n, o in outcomes([name])]
     return any(o.kind == APPLIED for o in rows) and not any(o.kind in PROBLEMS for o in rows)
+
+
+def strict_requested(where):
+    """True when a patch that requested the target at ``where`` (``"module.attr"``) asked for strict mode."""
+    with _lock:
+        for state in _states.values():
+            if "%s.%s" % (state.target.module, state.target.attr) == where:
+                if any(_requested.get(name) is not None for name in state.patches):
+                    return True
+    return False

@@ -1,0 +1,147 @@
+"""The core's one rule for what a seam's wrapper receives (``fsdp2_compat.core.calls``), on real wrapt.
+
+A toy class method wrapped in a ``wrapt.FunctionWrapper`` exactly as the
+seams wrap upstream's, called every way a user's code calls a method: the
+seam must find the same self and the same arguments each time.  And the
+``missing`` contract: a WARNING naming the target and what was missing, an
+error under strict mode.  No torch: runs in the bare set.
+"""
+
+import logging
+import types
+
+import pytest
+
+wrapt = pytest.importorskip("wrapt")
+
+from fsdp2_compat.core import calls, engine  # noqa: E402
+
+DEPENDS_ON = ("wrapt",)
+
+
+class Engine:
+    def prepare(self, model, config=None, *, mode="full"):
+        return (self, model, config, mode)
+
+
+def _seen_by_a_seam(cls):
+    """Wrap ``cls.prepare`` as a seam does; return the list of what its wrapper read per call."""
+    original = vars(cls)["prepare"]
+    signature = calls.Signature(original, "toy.Engine.prepare")
+    seen = []
+
+    def wrapper(wrapped, instance, args, kwargs):
+        seen.append((signature.receiver(instance, args, kwargs),
+                     signature.argument("model", instance, args, kwargs),
+                     signature.argument("config", instance, args, kwargs),
+                     signature.argument("mode", instance, args, kwargs)))
+        return wrapped(*args, **kwargs)
+
+    return seen, wrapt.FunctionWrapper(original, wrapper)
+
+
+def _calls(cls, obj):
+    """Every calling convention, each returning what upstream's method itself received."""
+
+    class Override(cls):
+        def prepare(self, model, config=None, *, mode="full"):
+            return super().prepare(model, config, mode=mode)
+
+    class ExplicitBase(cls):
+        def prepare(self, model, config=None, *, mode="full"):
+            return cls.prepare(self, model, config, mode=mode)
+
+    return {
+        "instance": lambda: obj.prepare("m", "c", mode="lora"),
+        "class with explicit self": lambda: cls.prepare(obj, "m", "c", mode="lora"),
+        "super() from an override": lambda: Override.prepare(_as(obj, Override), "m", "c", mode="lora"),
+        "subclass override calls the base": lambda: _as(obj, ExplicitBase).prepare("m", "c", mode="lora"),
+        "MethodType of the class attribute": lambda: types.MethodType(cls.prepare, obj)("m", "c", mode="lora"),
+        "the descriptor itself": lambda: vars(cls)["prepare"](obj, "m", "c", mode="lora"),
+        "MethodType of the descriptor": lambda: types.MethodType(vars(cls)["prepare"], obj)("m", "c", mode="lora"),
+        "keywords": lambda: obj.prepare(model="m", config="c", mode="lora"),
+        "keywords, self too": lambda: cls.prepare(self=obj, model="m", config="c", mode="lora"),
+    }
+
+
+def _as(obj, cls):
+    obj.__class__ = cls
+    return obj
+
+
+@pytest.mark.parametrize("convention", list(_calls(Engine, Engine())))
+def test_a_method_seam_finds_self_and_arguments_however_the_method_is_called(convention):
+    class Upstream(Engine):
+        pass
+
+    seen, wrapper = _seen_by_a_seam(Engine)
+    Upstream.prepare = wrapper
+    obj = Upstream()
+    result = _calls(Upstream, obj)[convention]()
+    assert result == (obj, "m", "c", "lora")  # upstream's own method got the call intact
+    assert seen == [(obj, "m", "c", "lora")]
+
+
+def test_defaults_fill_what_the_call_left_out():
+    seen, wrapper = _seen_by_a_seam(Engine)
+
+    class Upstream(Engine):
+        prepare = wrapper
+
+    obj = Upstream()
+    obj.prepare("m")
+    vars(Upstream)["prepare"](obj, "m")
+    assert seen == [(obj, "m", None, "full")] * 2
+
+
+def test_a_function_seam_reads_its_parameters_by_name():
+    def apply_fsdp2(model, fsdp_kwargs, config=None):
+        return model
+
+    signature = calls.Signature(apply_fsdp2)
+    assert signature.where.endswith("apply_fsdp2")
+    for args, kwargs in ((("m", {}), {}), ((), {"model": "m", "fsdp_kwargs": {}}), (("m",), {"fsdp_kwargs": {}})):
+        assert signature.argument("model", None, args, kwargs) == "m"
+        assert signature.receiver(None, args, kwargs) == "m"
+    assert signature.argument("config", None, ("m", {}), {}) is None
+    with pytest.raises(KeyError, match="no parameter 'modle'"):
+        signature.argument("modle", None, ("m", {}), {})
+
+
+def test_a_call_without_the_receiver_finds_none():
+    signature = calls.Signature(vars(Engine)["prepare"])
+    assert signature.receiver(None, (), {}) is None
+    assert signature.argument("model", None, (), {}) is None
+
+
+def test_missing_warns_once_naming_the_target_and_what_was_missing(caplog, monkeypatch):
+    monkeypatch.delenv("FSDP2_COMPAT_STRICT", raising=False)
+    calls._warned.discard(("toy.Engine.prepare", "a model"))
+    with caplog.at_level(logging.WARNING, logger="fsdp2_compat"):
+        calls.missing("toy.Engine.prepare", "a model")
+        calls.missing("toy.Engine.prepare", "a model")
+    lines = [r.getMessage() for r in caplog.records if r.name == "fsdp2_compat"]
+    assert len(lines) == 1, lines
+    assert "toy.Engine.prepare" in lines[0] and "without a model" in lines[0]
+    assert caplog.records[0].levelno == logging.WARNING
+
+
+def test_missing_raises_under_strict_mode(monkeypatch):
+    monkeypatch.setenv("FSDP2_COMPAT_STRICT", "1")
+    with pytest.raises(calls.SeamInputError, match="toy.Engine.prepare was called without a model"):
+        calls.missing("toy.Engine.prepare", "a model")
+    assert issubclass(calls.SeamInputError, engine.Fsdp2CompatError)
+
+
+def test_missing_raises_when_the_patch_was_requested_strict(toy, monkeypatch):
+    import fsdp2_compat
+
+    monkeypatch.delenv("FSDP2_COMPAT_STRICT", raising=False)
+    toy.register(monkeypatch, toy.patch(toy.prepare))
+    fsdp2_compat.apply("toy", strict=True)
+    toy.import_utils()
+    with pytest.raises(calls.SeamInputError):
+        calls.missing("f2c_toy.utils.Engine.prepare", "a model")
+    fsdp2_compat.revert()
+    fsdp2_compat.apply("toy")
+    calls.missing("f2c_toy.utils.Engine.prepare", "a model")  # not strict: warns, returns
