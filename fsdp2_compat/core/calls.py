@@ -31,14 +31,17 @@ Cost: a ``Signature`` is built once per seam, when the target module is
 imported (``inspect`` then); per call, ``receiver`` is one test and an index
 and ``argument`` a dict lookup (see ``benchmarks/seam_calls.py``).
 
-Stdlib only, nothing imported at module level but what the engine needs.
+Stdlib only: the engine imports this module (``lookup``) at ``import fsdp2_compat.auto``.
 """
 
 from . import config
-from .engine import Fsdp2CompatError, lookup  # noqa: F401 (seams take the defined object from here)
+from .outcomes import Fsdp2CompatError
 
 _MISSING = object()
 _warned = set()
+# Which targets were requested with ``strict=True``: the engine's to know, handed in by the engine
+# (``set_strict_source``) because the seams import this module and the engine imports the seams.
+_strict_source = None
 
 
 class SeamInputError(Fsdp2CompatError):
@@ -111,17 +114,41 @@ class Signature:
         return self._defaults.get(name, default)
 
 
+def owner_of(module, attr):
+    """``(owner, name)``: the module, or the module-level class of a ``"Class.method"`` attr, and the leaf name."""
+    from . import guards
+
+    head, _, leaf = attr.rpartition(".")
+    if not head:
+        return module, attr
+    owner = module.__dict__.get(head)
+    if not isinstance(owner, type):
+        raise guards.Drift("%s has no class %r" % (module.__name__, head))
+    return owner, leaf
+
+
+def lookup(module, attr):
+    """The object ``attr`` names in ``module`` as defined there: the owner's own ``__dict__``
+    (never an inherited or computed attribute), ``None`` when absent."""
+    owner, name = owner_of(module, attr)
+    return owner.__dict__.get(name)
+
+
 def signature_of(module, attr):
     """``Signature`` of ``module.attr`` as the module defines it (``attr``: ``f`` or ``Class.method``)."""
     return Signature(lookup(module, attr), "%s.%s" % (module.__name__, attr))
 
 
+def set_strict_source(source):
+    """The engine's ``strict_requested(where)``: True when a patch asked for the target at ``where`` strictly."""
+    global _strict_source
+    _strict_source = source
+
+
 def _strict_for(where):
     if config.strict_from_env():
         return True
-    from . import engine
-
-    return engine.strict_requested(where)
+    return _strict_source is not None and _strict_source(where)
 
 
 def missing(where, what):

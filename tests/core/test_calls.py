@@ -14,7 +14,8 @@ import pytest
 
 wrapt = pytest.importorskip("wrapt")
 
-from fsdp2_compat.core import calls, engine  # noqa: E402
+import fsdp2_compat  # noqa: E402
+from fsdp2_compat.core import calls  # noqa: E402
 
 DEPENDS_ON = ("wrapt",)
 
@@ -130,7 +131,7 @@ def test_missing_raises_under_strict_mode(monkeypatch):
     monkeypatch.setenv("FSDP2_COMPAT_STRICT", "1")
     with pytest.raises(calls.SeamInputError, match="toy.Engine.prepare was called without a model"):
         calls.missing("toy.Engine.prepare", "a model")
-    assert issubclass(calls.SeamInputError, engine.Fsdp2CompatError)
+    assert issubclass(calls.SeamInputError, fsdp2_compat.Fsdp2CompatError)
 
 
 def test_missing_raises_when_the_patch_was_requested_strict(toy, monkeypatch):
