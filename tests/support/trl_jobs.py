@@ -135,14 +135,17 @@ def _async_batch(seed, vocab, length=12, completion=6, k=4):
     }
 
 
-def _async_trainer(model, acc):
+def _async_trainer(model, acc, convention):
     import collections
     import types
 
     from trl.experimental.async_distillation.async_distillation_trainer import AsyncDistillationTrainer
     from trl.models.utils import _ForwardRedirection
 
-    t = AsyncDistillationTrainer.__new__(AsyncDistillationTrainer)  # __init__ starts rollout workers
+    from fsdp2_compat.tooling.conventions import calling
+
+    cls = calling(AsyncDistillationTrainer, "_compute_loss", convention)  # how compute_loss reaches _compute_loss
+    t = cls.__new__(cls)  # __init__ starts rollout workers
     t.model, t.accelerator, t._forward_redirection = model, acc, _ForwardRedirection()
     t.args = types.SimpleNamespace(beta=0.5, teacher_temperature=1.0, add_tail_bucket=True)
     t._teacher_ids, t.current_gradient_accumulation_steps = ["teacher"], 1
@@ -152,18 +155,20 @@ def _async_trainer(model, acc):
     return t
 
 
-def async_distill_step(rank, world, family, patches, steps=2, lr=0.05):
-    """``AsyncDistillationTrainer.compute_loss`` on an accelerate-prepared student vs the DP-average reference."""
+def async_distill_step(rank, world, family, patches, steps=2, lr=0.05, convention="instance"):
+    """``AsyncDistillationTrainer.compute_loss`` on an accelerate-prepared student vs the DP-average reference.
+
+    ``convention``: how ``compute_loss`` reaches ``_compute_loss`` (``tooling.conventions``)."""
     import fsdp2_compat
 
     rank_env(rank, world)
     if patches:
         fsdp2_compat.apply(patches)
     with cpu_fsdp():
-        return _async_distill_step(rank, world, family, steps, lr)
+        return _async_distill_step(rank, world, family, steps, lr, convention)
 
 
-def _async_distill_step(rank, world, family, steps, lr):
+def _async_distill_step(rank, world, family, steps, lr, convention):
     import torch
 
     from fsdp2_compat.tooling import tiny as tiny_models
@@ -175,7 +180,7 @@ def _async_distill_step(rank, world, family, steps, lr):
     vocab = model.config.get_text_config().vocab_size
     completion = 6
     global_tokens = world * completion  # the collator's count of every rank's completion tokens
-    trainers = {id(model): _async_trainer(model, acc), id(reference): _async_trainer(reference, acc)}
+    trainers = {id(model): _async_trainer(model, acc, convention), id(reference): _async_trainer(reference, acc, convention)}
     result = {"wrapped": wrapped_module_names(model), "head_weight": type(model.get_output_embeddings().weight).__name__,
               "error": None, "losses": [], "loss_err": 0.0, "grad_err": 0.0, "worst_grad": None,
               "lm_head_grad_err": 0.0, "lm_head_rel_to_max": 0.0, "param_err": 0.0, "grads_checked": 0}
