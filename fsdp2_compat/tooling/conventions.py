@@ -29,10 +29,21 @@ _cache = {}
 
 
 def _by_keyword(method, self, args, kwargs):
+    """Every argument of ``method(self, *args, **kwargs)`` as a keyword (self included)."""
     import inspect
 
-    bound = inspect.signature(method).bind(self, *args, **kwargs)
-    return dict(bound.arguments)
+    signature = inspect.signature(method)
+    out = {}
+    for name, value in signature.bind(self, *args, **kwargs).arguments.items():
+        kind = signature.parameters[name].kind
+        if kind == inspect.Parameter.VAR_KEYWORD:
+            out.update(value)
+        elif kind == inspect.Parameter.VAR_POSITIONAL:
+            if value:
+                raise TypeError("%s: extra positional arguments cannot go by keyword" % name)
+        else:
+            out[name] = value
+    return out
 
 
 def defined(cls, name):
