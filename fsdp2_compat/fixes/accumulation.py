@@ -54,7 +54,8 @@ def guard_seam(module, attr):
     receiver = signature.receiver
 
     def _skip_never_gathered(wrapped, instance, args, kwargs):
-        fsdp_param = receiver(instance, args, kwargs)
+        # ``receiver``'s own first answer, inlined: torch's calls (the instance) cost no extra call
+        fsdp_param = instance if instance is not None else receiver(instance, args, kwargs)
         if fsdp_param is not None and never_all_gathered(fsdp_param):
             return None
         return wrapped(*args, **kwargs)
