@@ -64,3 +64,25 @@ def test_deferred_accumulation_over_a_skipped_unit_trains_however_torch_reaches_
 
 def _flat(values):
     return [v for row in values for v in _flat(row)] if isinstance(values, list) else [values]
+
+
+def test_post_backward_seam_called_without_its_group_says_so_and_raises_under_strict(monkeypatch, caplog):
+    import logging
+
+    import fsdp2_compat
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    from fsdp2_compat.core import calls
+
+    fsdp2_compat.apply("qwen3vl")  # carries both torch seams; torch is imported: they apply at once
+    seam = vars(FSDPParamGroup)["post_backward"]
+    assert hasattr(seam, "__wrapped__"), "the seam is not installed"
+    where = "torch.distributed.fsdp._fully_shard._fsdp_param_group.FSDPParamGroup.post_backward"
+    monkeypatch.setenv("FSDP2_COMPAT_STRICT", "1")
+    with pytest.raises(calls.SeamInputError, match=re.escape(where) + " was called without its FSDPParamGroup"):
+        seam()
+    monkeypatch.delenv("FSDP2_COMPAT_STRICT")
+    calls._warned.clear()
+    with caplog.at_level(logging.WARNING, logger="fsdp2_compat"), pytest.raises(TypeError):
+        seam()  # not strict: warned, then torch's own method refuses the call
+    assert any(where in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)

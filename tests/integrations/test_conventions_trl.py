@@ -85,3 +85,23 @@ def test_async_distillation_lm_head_gradient_is_the_dp_average_however_compute_l
                           ", ".join("%.3g" % e for e in patched)))
     assert min(unpatched) > 0.1, unpatched
     _assert_dp_exact(patched_results)
+
+
+def test_compute_loss_seam_without_a_student_head_raises_under_strict_instead_of_running_unfixed(monkeypatch):
+    import re
+
+    import fsdp2_compat
+    from trl.trainer.distillation_trainer import DistillationTrainer
+
+    from fsdp2_compat.core import calls
+
+    fsdp2_compat.apply(PATCH)
+    assert hasattr(vars(DistillationTrainer)["_compute_loss"], "__wrapped__"), "the seam is not installed"
+    trainer = DistillationTrainer.__new__(DistillationTrainer)
+    monkeypatch.setenv("FSDP2_COMPAT_STRICT", "1")
+    where = "trl.trainer.distillation_trainer.DistillationTrainer._compute_loss"
+    for call in (lambda: trainer._compute_loss(object(), {}, 1),
+                 lambda: DistillationTrainer._compute_loss(trainer, unwrapped_student=None, inputs={},
+                                                           num_items_in_batch=1)):
+        with pytest.raises(calls.SeamInputError, match=re.escape(where) + " was called without a student"):
+            call()
