@@ -51,8 +51,12 @@ class SeamInputError(Fsdp2CompatError):
 class Signature:
     """The parameters of one wrapped function, read once when its seam is built.
 
-    ``function``  the original upstream function (``functools.wraps`` chains
-                  are followed, as ``inspect.signature`` does)
+    ``function``  the original upstream function: the parameters are those of
+                  the code that receives the call (TRL's ``_fused_forward`` is
+                  ``functools.wraps``-ed to look like the model's forward: its
+                  own ``fused_lm_head`` counts); a decorator that only passes
+                  ``*args, **kwargs`` on (torch's ``post_backward``) is read
+                  through to the function it wraps
     ``where``     what the messages call it; default ``"module.Class.method"``
                   from the function's ``__module__`` and ``__qualname__``
     """
@@ -60,13 +64,11 @@ class Signature:
     __slots__ = ("where", "names", "first", "_index", "_defaults", "_known")
 
     def __init__(self, function, where=None):
-        import inspect
-
         if where is None:
             where = "%s.%s" % (getattr(function, "__module__", "?"), getattr(function, "__qualname__", function))
         self.where = where
         positional, defaults, known = [], {}, set()
-        for p in inspect.signature(function).parameters.values():
+        for p in _parameters(function):
             if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
                 known.add(p.name)
             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
@@ -132,6 +134,17 @@ def lookup(module, attr):
     (never an inherited or computed attribute), ``None`` when absent."""
     owner, name = owner_of(module, attr)
     return owner.__dict__.get(name)
+
+
+def _parameters(function):
+    import inspect
+
+    while True:
+        own = inspect.signature(function, follow_wrapped=False).parameters.values()
+        passes_on = all(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in own)
+        if not passes_on or not hasattr(function, "__wrapped__"):
+            return own
+        function = function.__wrapped__  # one decorator layer at a time
 
 
 def signature_of(module, attr):

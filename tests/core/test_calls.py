@@ -125,3 +125,24 @@ def test_missing_raises_when_the_patch_was_requested_strict(toy, monkeypatch):
     fsdp2_compat.revert()
     fsdp2_compat.apply("toy")
     calls.missing("f2c_toy.utils.Engine.prepare", "a model")  # not strict: warns, returns
+
+
+def test_the_parameters_are_those_of_the_code_that_receives_the_call():
+    import functools
+
+    def forward(self, input_ids=None, labels=None):
+        return input_ids
+
+    @functools.wraps(forward)
+    def fused_forward(self, *args, fused_lm_head=False, **kwargs):  # dressed as forward, as TRL's is
+        return forward(self, *args, **kwargs)
+
+    @functools.wraps(fused_forward)
+    def passthrough(*args, **kwargs):  # a decorator that only passes everything on
+        return fused_forward(*args, **kwargs)
+
+    for function in (fused_forward, passthrough):
+        signature = calls.Signature(function)
+        assert signature.argument("fused_lm_head", None, ("m",), {"fused_lm_head": True}) is True
+        assert signature.argument("fused_lm_head", None, ("m",), {}) is False
+        assert signature.receiver(None, (), {"self": "m"}) == "m"
