@@ -46,3 +46,25 @@ def test_fused_forward_gathers_lm_head_however_forward_is_called(convention):
         assert p["kernel_weights"] and all(kind != "DTensor" for kind, _, _ in p["kernel_weights"])
         assert p["lm_head_grad_err"] < TOL and p["grad_err"] < TOL, (rank, p["worst_grad"], p["grad_err"])
     assert patched[0]["losses"] != patched[1]["losses"]
+
+
+def test_selection_seam_reads_its_arguments_by_keyword_too():
+    import fsdp2_compat
+    from verl.utils import fsdp_utils
+
+    from fsdp2_compat.tooling import tiny as tiny_models
+
+    model = tiny_models.build("glm4v", tie=False)
+    layers = sorted(model._no_split_modules)
+    names = {id(m): n for n, m in model.named_modules()}
+
+    def selected(**kwargs):
+        return [names[id(m)] for m in fsdp_utils._select_fsdp2_wrap_targets(**kwargs)]
+
+    upstream = selected(model=model, fsdp_transformer_layer_cls_to_wrap=layers)
+    assert "model.visual.embeddings.position_embedding" in upstream  # its own unit, read raw while sharded
+    fsdp2_compat.apply("glm4v")
+    by_keyword = selected(model=model, fsdp_transformer_layer_cls_to_wrap=layers)
+    assert "model.visual.embeddings.position_embedding" not in by_keyword
+    assert by_keyword == [names[id(m)] for m in fsdp_utils._select_fsdp2_wrap_targets(model, layers)]
+    assert set(by_keyword) == set(upstream) - {"model.visual.embeddings.position_embedding"}
