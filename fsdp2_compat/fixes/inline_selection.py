@@ -7,7 +7,12 @@ function to swap for the selection alone, so the narrowest seam is the
 ``fully_shard`` name that loop calls:
 
 - ``apply_fsdp2`` is wrapped only to publish the model being sharded (in a
-  context variable, so concurrent calls on other threads are unaffected);
+  context variable, so concurrent calls on other threads are unaffected): its
+  ``model`` argument, found by name however it is passed (``core.calls``; the
+  same wrapper serves LLaMA-Factory's method ``FSDP2Engine.prepare_model(self,
+  model)`` under every calling convention).  A call whose ``model`` is no
+  ``nn.Module`` runs upstream's selection and is reported (a WARNING; an error
+  under strict mode);
 - ``fully_shard`` is wrapped to consult that plan: a call for an
   ``nn.Embedding`` the corrected rule does not select is skipped (its weights
   stay in the root group), and before the root call an untied input embedding

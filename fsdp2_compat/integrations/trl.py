@@ -46,6 +46,12 @@ Seams:
   ``AsyncDistillationTrainer._compute_loss`` (1.11.0+): both receive the
   unwrapped student first and read ``get_output_embeddings().weight`` into the
   chunked divergence; the wrapper gathers the student's head around the call.
+  The student is the parameter of that name however the method is called
+  (``fsdp2_compat.core.calls``): a subclass override calling
+  ``DistillationTrainer._compute_loss(self, student, ...)``, ``super()``, a
+  re-bound class attribute, keywords.  A call without a student that has an
+  output embedding is reported (a WARNING; an error under strict mode), never
+  run unfixed in silence.
   (``_chunked_divergence_loss`` gets tensors only, no owner to unshard;
   ``compute_loss`` is decorated, so not fingerprintable.)  The teacher is left
   alone: accelerate prepares it without sharding, and its read has no gradient.
