@@ -186,14 +186,16 @@ def wrap_installed_forward(model):
         return False  # not what TRL installs: leave it
     if isinstance(bound.__func__, wrapt.FunctionWrapper):
         return True
-    signature = Signature(bound.__func__, "trl.trainer.utils.add_fused_lm_head's _fused_forward")
+    # named after the target that installed it, so a strict request of that target covers it
+    signature = Signature(bound.__func__, "trl.trainer.utils.add_fused_lm_head")
 
     def _fused_call(wrapped, instance, args, kwargs):
         """Around ``_fused_forward(self, *args, fused_lm_head=False, ...)`` (bound by MethodType)."""
         if not signature.argument("fused_lm_head", instance, args, kwargs):
             return wrapped(*args, **kwargs)  # the model's own forward: lm_head runs as a module
         this = signature.receiver(instance, args, kwargs)
-        return _call_with_head_gathered(signature.where, this, "a model", lambda: wrapped(*args, **kwargs))
+        return _call_with_head_gathered(signature.where, this, "a model (in its fused forward)",
+                                        lambda: wrapped(*args, **kwargs))
 
     model.forward = types.MethodType(wrapt.FunctionWrapper(bound.__func__, _fused_call), model)
     return True

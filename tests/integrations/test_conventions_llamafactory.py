@@ -51,3 +51,19 @@ def test_layer_class_lookup_reads_its_model_passed_by_keyword():
     fsdp2_compat.apply("glm4v")
     found = FSDP2.get_transformer_layer_cls(model=model)
     assert found is not None and found is FSDP2.get_transformer_layer_cls(model)
+
+
+def test_prepare_model_without_a_module_raises_under_strict_instead_of_running_upstreams_selection(monkeypatch):
+    import re
+
+    from fsdp2_compat.core import calls
+
+    fsdp2_compat.apply("glm4v")
+    seam = vars(FSDP2.FSDP2Engine)["prepare_model"]
+    assert hasattr(seam, "__wrapped__"), "the seam is not installed"
+    engine = FSDP2.FSDP2Engine.__new__(FSDP2.FSDP2Engine)
+    monkeypatch.setenv("FSDP2_COMPAT_STRICT", "1")
+    where = FSDP2.__name__ + ".FSDP2Engine.prepare_model"
+    for call in (lambda: seam(engine, "not a model"), lambda: engine.prepare_model(model=None)):
+        with pytest.raises(calls.SeamInputError, match=re.escape(where) + " was called without an nn.Module"):
+            call()
