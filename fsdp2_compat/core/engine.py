@@ -24,13 +24,15 @@ This module is imported by ``fsdp2_compat.auto``: stdlib only at top level.
 import sys
 import _thread
 
-from . import config, hooks
+from . import calls, config, hooks
+from .calls import lookup  # noqa: F401  (re-exported: engine.lookup)
 
 from .outcomes import (  # noqa: F401  (re-exported: callers say engine.APPLIED)
     APPLIED,
     DRIFTED,
     FAILED,
     NOT_INSTALLED,
+    Fsdp2CompatError,
     NOT_NEEDED,
     NOT_REQUESTED,
     OTHER_SEAM,
@@ -43,10 +45,6 @@ from .outcomes import (  # noqa: F401  (re-exported: callers say engine.APPLIED)
     Outcome,
     diff_path,
 )
-
-
-class Fsdp2CompatError(RuntimeError):
-    """A requested patch could not be applied and strict mode is on."""
 
 
 class _Applied:
@@ -100,33 +98,12 @@ def active_targets():
         return sorted(set(_replacements.values()))
 
 
-# -- where an attribute lives -------------------------------------------------
-# ``attr`` is a module global (``apply_fsdp2``) or a method of a class defined
-# in the module (``FSDP2Engine.prepare_model``).  Reads look at the owner's own
-# ``__dict__`` (never inherited or lazily computed attributes); writes use
-# ``setattr`` (a class ``__dict__`` is read-only).
-
-
-def _owner(module, attr):
-    from . import guards
-
-    head, _, leaf = attr.rpartition(".")
-    if not head:
-        return module, attr
-    owner = module.__dict__.get(head)
-    if not isinstance(owner, type):
-        raise guards.Drift("%s has no class %r" % (module.__name__, head))
-    return owner, leaf
-
-
-def lookup(module, attr):
-    """The object ``attr`` names in ``module`` (``None`` when absent)."""
-    owner, name = _owner(module, attr)
-    return owner.__dict__.get(name)
+# -- where an attribute lives: ``calls.lookup`` (the seams read it too) ----------
+# Writes use ``setattr`` (a class ``__dict__`` is read-only).
 
 
 def _store(module, attr, value):
-    owner, name = _owner(module, attr)
+    owner, name = calls.owner_of(module, attr)
     setattr(owner, name, value)
 
 
@@ -396,3 +373,16 @@ def is_applied(name):
     """True when every target of ``name`` that met its module is applied."""
     rows = [o for n, o in outcomes([name])]
     return any(o.kind == APPLIED for o in rows) and not any(o.kind in PROBLEMS for o in rows)
+
+
+def strict_requested(where):
+    """True when a patch that requested the target at ``where`` (``"module.attr"``) asked for strict mode."""
+    with _lock:
+        for state in _states.values():
+            if "%s.%s" % (state.target.module, state.target.attr) == where:
+                if any(_requested.get(name) is not None for name in state.patches):
+                    return True
+    return False
+
+
+calls.set_strict_source(strict_requested)

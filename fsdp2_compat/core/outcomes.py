@@ -16,6 +16,10 @@ decides them), status and the CLI (which show them)::
 """
 
 
+class Fsdp2CompatError(RuntimeError):
+    """A requested patch could not be applied (or, ``core.calls``, not do its work) and strict mode is on."""
+
+
 APPLIED = "applied"
 WAITING = "waiting for import"
 NOT_INSTALLED = "skipped: not installed"

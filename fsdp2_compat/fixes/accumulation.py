@@ -34,27 +34,33 @@ them.
 """
 
 
-def _method(module, attr):
-    cls_name, name = attr.split(".")
-    return getattr(module, cls_name).__dict__[name]
-
-
 def never_all_gathered(fsdp_param):
     """True for an ``FSDPParam`` that has not been all-gathered since it was created."""
     return not hasattr(fsdp_param, "_unsharded_param")
 
 
-def _skip_never_gathered(wrapped, instance, args, kwargs):
-    if instance is not None and never_all_gathered(instance):
-        return None
-    return wrapped(*args, **kwargs)
-
-
 def guard_seam(module, attr):
-    """``{"FSDPParam.to_accumulated_grad_if_needed": wrapper}``: a never-gathered parameter returns at once."""
+    """``{"FSDPParam.to_accumulated_grad_if_needed": wrapper}``: a never-gathered parameter returns at once.
+
+    The parameter is the method's self however torch (or a subclass) calls it
+    (``core.calls``); this runs once per parameter per backward, so the
+    wrapper is one receiver lookup and one ``hasattr``.
+    """
     import wrapt
 
-    return {attr: wrapt.FunctionWrapper(_method(module, attr), _skip_never_gathered)}
+    from ..core import calls
+
+    signature = calls.signature_of(module, attr)
+    receiver = signature.receiver
+
+    def _skip_never_gathered(wrapped, instance, args, kwargs):
+        # ``receiver``'s own first answer, inlined: torch's calls (the instance) cost no extra call
+        fsdp_param = instance if instance is not None else receiver(instance, args, kwargs)
+        if fsdp_param is not None and never_all_gathered(fsdp_param):
+            return None
+        return wrapped(*args, **kwargs)
+
+    return {attr: wrapt.FunctionWrapper(calls.lookup(module, attr), _skip_never_gathered)}
 
 
 def make_gradients_uniform(group):
@@ -86,14 +92,20 @@ def make_gradients_uniform(group):
     return converted
 
 
-def _uniform_post_backward(wrapped, instance, args, kwargs):
-    if instance is not None:
-        make_gradients_uniform(instance)
-    return wrapped(*args, **kwargs)
-
-
 def uniform_seam(module, attr):
     """``{"FSDPParamGroup.post_backward": wrapper}``: one gradient dtype per synchronising reduce."""
     import wrapt
 
-    return {attr: wrapt.FunctionWrapper(_method(module, attr), _uniform_post_backward)}
+    from ..core import calls
+
+    signature = calls.signature_of(module, attr)
+
+    def _uniform_post_backward(wrapped, instance, args, kwargs):
+        group = signature.receiver(instance, args, kwargs)
+        if group is None:
+            calls.missing(signature.where, "its FSDPParamGroup (self)")
+        else:
+            make_gradients_uniform(group)
+        return wrapped(*args, **kwargs)
+
+    return {attr: wrapt.FunctionWrapper(calls.lookup(module, attr), _uniform_post_backward)}

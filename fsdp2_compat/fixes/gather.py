@@ -233,14 +233,18 @@ def wrap_lm_head_reader(original):
     """Wrap a forward ``f(self, ...)`` that reads ``self.lm_head.weight`` directly."""
     import wrapt
 
+    from ..core import calls
+
     drops_media = getattr(original, "__module__", "").endswith(".dense_common")
+    signature = calls.Signature(original)
 
     def forward(wrapped, instance, args, kwargs):
-        model = instance if instance is not None else (args[0] if args else None)
+        model = signature.receiver(instance, args, kwargs)
         if drops_media:
             _warn_dropped_media(model, kwargs)
         lm_head = getattr(model, "lm_head", None)
         if lm_head is None:
+            calls.missing(signature.where, "a model with an lm_head (got %s)" % type(model).__name__)
             return wrapped(*args, **kwargs)
         with gathered(lm_head):
             return wrapped(*args, **kwargs)

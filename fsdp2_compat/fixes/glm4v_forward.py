@@ -93,10 +93,15 @@ def vision_output_seam(module, attr):
         raise guards.NotNeeded("transformers %s: Glm4vVisionModel returns the merged tensor verl expects" % version)
     import wrapt
 
+    from ..core import calls
+
+    signature = calls.signature_of(module, attr)
+
     def _get_input_embeds(wrapped, instance, args, kwargs):
-        model = args[0] if args else kwargs.get("model")
+        model = signature.argument("model", instance, args, kwargs)
         visual = getattr(model, "visual", None)
         if visual is None or not hasattr(visual, "register_forward_hook"):
+            calls.missing(signature.where, "a model with a vision tower (got %s)" % type(model).__name__)
             return wrapped(*args, **kwargs)
         handle = visual.register_forward_hook(pooled_output)
         try:

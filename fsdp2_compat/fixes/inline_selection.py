@@ -7,7 +7,12 @@ function to swap for the selection alone, so the narrowest seam is the
 ``fully_shard`` name that loop calls:
 
 - ``apply_fsdp2`` is wrapped only to publish the model being sharded (in a
-  context variable, so concurrent calls on other threads are unaffected);
+  context variable, so concurrent calls on other threads are unaffected): its
+  ``model`` argument, found by name however it is passed (``core.calls``; the
+  same wrapper serves LLaMA-Factory's method ``FSDP2Engine.prepare_model(self,
+  model)`` under every calling convention).  A call whose ``model`` is no
+  ``nn.Module`` runs upstream's selection and is reported (a WARNING; an error
+  under strict mode);
 - ``fully_shard`` is wrapped to consult that plan: a call for an
   ``nn.Embedding`` the corrected rule does not select is skipped (its weights
   stay in the root group), and before the root call an untied input embedding
@@ -62,11 +67,24 @@ class _Plan:
 
 
 def wrap_apply_fsdp2(original):
-    """Wrap upstream ``apply_fsdp2(model, fsdp_kwargs, config)``."""
+    """Wrap upstream ``apply_fsdp2(model, fsdp_kwargs, config)`` (or a method ``prepare_model(self, model)``).
+
+    The model is the argument named ``model`` however the call passed it
+    (``core.calls``); a call without an ``nn.Module`` there runs upstream's
+    selection unchanged, and says so (``calls.missing``).
+    """
+    import torch.nn as nn
     import wrapt
 
+    from ..core import calls
+
+    signature = calls.Signature(original)
+
     def apply_fsdp2(wrapped, instance, args, kwargs):
-        model = args[0] if args else kwargs.get("model")
+        model = signature.argument("model", instance, args, kwargs)
+        if not isinstance(model, nn.Module):
+            calls.missing(signature.where, "an nn.Module as its model (got %s)" % type(model).__name__)
+            return wrapped(*args, **kwargs)
         token = _plan.set(_Plan(model))
         try:
             return wrapped(*args, **kwargs)
@@ -81,15 +99,23 @@ def wrap_fully_shard(original):
     import torch.nn as nn
     import wrapt
 
+    from ..core import calls
+
+    signature = calls.Signature(original)
+
     def fully_shard(wrapped, instance, args, kwargs):
         plan = _plan.get()
-        module = args[0] if args else kwargs.get("module")
-        if plan is None or not isinstance(module, nn.Module):
+        if plan is None:
             return wrapped(*args, **kwargs)
+        module = signature.argument("module", instance, args, kwargs)
+        if not isinstance(module, nn.Module):
+            return wrapped(*args, **kwargs)  # a list of modules: upstream's loops never pass one
         if module is plan.model:
             if plan.embedding is not None and not plan.embedding_done and not plan.inside_wrapped(plan.embedding):
                 plan.embedding_done = True
-                wrapped(plan.embedding, *args[1:], **kwargs)
+                # the root call's own arguments, the module (by position or keyword) replaced
+                rest = {k: v for k, v in kwargs.items() if k != "module"}
+                wrapped(plan.embedding, *args[1:], **rest)
             return wrapped(*args, **kwargs)
         if plan.inside_wrapped(module):
             return module  # nested layer class: its ancestor's group already holds it

@@ -20,8 +20,8 @@ Two targets, fingerprinted separately:
    DTensor`` (the other auxiliary-embedding families: ``aten.add.Tensor`` /
    ``aten.copy_.default``).  ``engine_seam`` installs the two wrappers of
    ``fsdp2_compat.fixes.inline_selection`` unchanged: one on the method
-   (class attribute; wrapt binds it, so the model is ``args[0]`` however the
-   method is called) publishes the model, one on the module's ``fully_shard``
+   publishes the model (its ``model`` parameter, found by name however the
+   method is called: ``fsdp2_compat.core.calls``), one on the module's ``fully_shard``
    drops the auxiliary embeddings (and a module inside one already sharded).
    LLaMA-Factory's own mesh (``(mp_replicate, mp_shard)``), mixed precision,
    offload and reshard arguments are kept; an untied input embedding the
@@ -145,8 +145,12 @@ def layer_class_seam(module, attr):
     """``{attr: wrapper}``: a set / frozenset ``_no_split_modules`` follows upstream's list rule."""
     import wrapt
 
+    from ..core import calls
+
+    signature = calls.signature_of(module, attr)
+
     def get_transformer_layer_cls(wrapped, instance, args, kwargs):
-        model = args[0] if args else kwargs.get("model")
+        model = signature.argument("model", instance, args, kwargs)
         names = getattr(model, "_no_split_modules", None)
         if isinstance(names, (set, frozenset)) and names:
             found = first_listed_class(model, names)

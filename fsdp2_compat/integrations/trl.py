@@ -46,6 +46,12 @@ Seams:
   ``AsyncDistillationTrainer._compute_loss`` (1.11.0+): both receive the
   unwrapped student first and read ``get_output_embeddings().weight`` into the
   chunked divergence; the wrapper gathers the student's head around the call.
+  The student is the parameter of that name however the method is called
+  (``fsdp2_compat.core.calls``): a subclass override calling
+  ``DistillationTrainer._compute_loss(self, student, ...)``, ``super()``, a
+  re-bound class attribute, keywords.  A call without a student that has an
+  output embedding is reported (a WARNING; an error under strict mode), never
+  run unfixed in silence.
   (``_chunked_divergence_loss`` gets tensors only, no owner to unshard;
   ``compute_loss`` is decorated, so not fingerprintable.)  The teacher is left
   alone: accelerate prepares it without sharding, and its read has no gradient.
@@ -159,22 +165,17 @@ def _output_head(model):
     return head if head is not None and hasattr(head, "weight") else None
 
 
-def _call_with_head_gathered(model, call):
+def _call_with_head_gathered(where, model, role, call):
+    """``call()`` with ``model``'s output embedding unsharded through FSDP; ``calls.missing`` when there is none."""
+    from ..core import calls
     from ..fixes.gather import gathered
 
     head = _output_head(model) if model is not None else None
     if head is None:
+        calls.missing(where, "%s with an output embedding (got %s)" % (role, type(model).__name__))
         return call()
     with gathered(head):
         return call()
-
-
-def _fused_call(wrapped, instance, args, kwargs):
-    """Around TRL's ``_fused_forward(self, *args, fused_lm_head=False, ...)`` (bound by MethodType: self is args[0])."""
-    if not kwargs.get("fused_lm_head"):
-        return wrapped(*args, **kwargs)  # the model's own forward: lm_head runs as a module
-    model = instance if instance is not None else (args[0] if args else None)
-    return _call_with_head_gathered(model, lambda: wrapped(*args, **kwargs))
 
 
 def wrap_installed_forward(model):
@@ -183,39 +184,70 @@ def wrap_installed_forward(model):
 
     import wrapt
 
+    from ..core.calls import Signature
+
     bound = model.__dict__.get("forward")
     if not isinstance(bound, types.MethodType) or bound.__self__ is not model:
         return False  # not what TRL installs: leave it
     if isinstance(bound.__func__, wrapt.FunctionWrapper):
         return True
+    # named after the target that installed it, so a strict request of that target covers it
+    signature = Signature(bound.__func__, "trl.trainer.utils.add_fused_lm_head")
+
+    def _fused_call(wrapped, instance, args, kwargs):
+        """Around ``_fused_forward(self, *args, fused_lm_head=False, ...)`` (bound by MethodType)."""
+        if not signature.argument("fused_lm_head", instance, args, kwargs):
+            return wrapped(*args, **kwargs)  # the model's own forward: lm_head runs as a module
+        this = signature.receiver(instance, args, kwargs)
+        return _call_with_head_gathered(signature.where, this, "a model (in its fused forward)",
+                                        lambda: wrapped(*args, **kwargs))
+
     model.forward = types.MethodType(wrapt.FunctionWrapper(bound.__func__, _fused_call), model)
     return True
-
-
-def _install_then_wrap(wrapped, instance, args, kwargs):
-    result = wrapped(*args, **kwargs)
-    model = args[0] if args else kwargs.get("model")
-    if model is not None:
-        wrap_installed_forward(model)
-    return result
 
 
 def fused_lm_head_seam(module, attr):
     """Seam for ``trl.trainer.utils:add_fused_lm_head``."""
     import wrapt
 
+    from ..core import calls
+
+    signature = calls.signature_of(module, attr)
+
+    def _install_then_wrap(wrapped, instance, args, kwargs):
+        result = wrapped(*args, **kwargs)
+        model = signature.argument("model", instance, args, kwargs)
+        if model is None or not wrap_installed_forward(model):
+            calls.missing(signature.where, "a model whose forward it installed (got %s)" % type(model).__name__)
+        return result
+
     return {attr: wrapt.FunctionWrapper(module.__dict__[attr], _install_then_wrap)}
 
 
-def _student_call(wrapped, instance, args, kwargs):
-    """Around ``_compute_loss(self, unwrapped_student, ...)``: gather the student's head."""
-    student = args[0] if args else kwargs.get("unwrapped_student", kwargs.get("unwrapped_model"))
-    return _call_with_head_gathered(student, lambda: wrapped(*args, **kwargs))
+# The student's parameter of ``_compute_loss``: DistillationTrainer, AsyncDistillationTrainer.
+_STUDENT = ("unwrapped_student", "unwrapped_model")
 
 
 def student_head_seam(module, attr):
-    """Seam for ``<distillation module>:<Trainer>._compute_loss`` (``attr`` is ``"Class.method"``)."""
+    """Seam for ``<distillation module>:<Trainer>._compute_loss`` (``attr`` is ``"Class.method"``).
+
+    Around ``_compute_loss(self, unwrapped_student, ...)``: the student's head is
+    gathered however the method was called (``calls``: instance, the class with
+    an explicit self, ``super()``, a re-bound descriptor, keywords).
+    """
     import wrapt
 
-    cls_name, _, method = attr.partition(".")
-    return {attr: wrapt.FunctionWrapper(module.__dict__[cls_name].__dict__[method], _student_call)}
+    from ..core import calls, guards
+
+    signature = calls.signature_of(module, attr)
+    names = [n for n in _STUDENT if n in signature.names]
+    if not names:
+        raise guards.Drift("%s takes no %s" % (signature.where, " or ".join(_STUDENT)))
+    student_name = names[0]
+
+    def _student_call(wrapped, instance, args, kwargs):
+        student = signature.argument(student_name, instance, args, kwargs)
+        return _call_with_head_gathered(signature.where, student, "a student (%s)" % student_name,
+                                        lambda: wrapped(*args, **kwargs))
+
+    return {attr: wrapt.FunctionWrapper(calls.lookup(module, attr), _student_call)}

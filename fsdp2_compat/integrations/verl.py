@@ -93,8 +93,13 @@ def select_verl(model, layer_classes):
 def selection_seam(module, attr):
     import wrapt
 
+    from ..core import calls
+
+    signature = calls.signature_of(module, attr)  # (model, fsdp_transformer_layer_cls_to_wrap), fingerprinted
+
     def _select_fsdp2_wrap_targets(wrapped, instance, args, kwargs):
-        return select_verl(*args, **kwargs)
+        return select_verl(signature.argument("model", instance, args, kwargs),
+                           signature.argument("fsdp_transformer_layer_cls_to_wrap", instance, args, kwargs))
 
     return {attr: wrapt.FunctionWrapper(module.__dict__[attr], _select_fsdp2_wrap_targets)}
 

@@ -231,7 +231,7 @@ def fused_loss(out, batch):
     return -(out.log_probs * mask).sum() / mask.sum() - 0.01 * (out.entropy * mask).sum() / mask.sum()
 
 
-def train_fused(rank, world, family, patches, steps=2, mesh_shape=None, bf16=False, lr=0.05):
+def train_fused(rank, world, family, patches, steps=2, mesh_shape=None, bf16=False, lr=0.05, convention="instance"):
     """verl's fused-kernel path (``use_fused_kernels=True``, torch backend) on real FSDP2.
 
     The model goes through verl's own ``apply_monkey_patch`` and
@@ -246,6 +246,8 @@ def train_fused(rank, world, family, patches, steps=2, mesh_shape=None, bf16=Fal
     (Qwen2-VL family, GLM4V).  ``patches`` as for ``subset.apply`` (names, or
     target keys: verl's GLM4V forward runs on most transformers only with the
     ``glm4v`` patch's forward targets, so GLM4V's "unpatched" side names them).
+    ``convention``: how the sharded model's ``forward`` reaches the one verl
+    installed on its class (``tooling.conventions``).
     """
     import copy
 
@@ -254,6 +256,7 @@ def train_fused(rank, world, family, patches, steps=2, mesh_shape=None, bf16=Fal
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from fsdp2_compat.tooling import subset, tiny as tiny_models
+    from fsdp2_compat.tooling.conventions import adopt
 
     subset.apply(patches)
     from verl.models.transformers.monkey_patch import apply_monkey_patch
@@ -262,7 +265,9 @@ def train_fused(rank, world, family, patches, steps=2, mesh_shape=None, bf16=Fal
 
     model = tiny_models.build(family, tie=False, seed=0)
     apply_monkey_patch(model, use_remove_padding=False, use_fused_kernels=True, fused_kernels_backend="torch")
+    installed = type(model).forward.__module__
     reference = copy.deepcopy(model)
+    adopt(model, type(model), "forward", convention)
     if mesh_shape is None:
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
     else:
@@ -285,7 +290,7 @@ def train_fused(rank, world, family, patches, steps=2, mesh_shape=None, bf16=Fal
 
     result = {
         "wrapped": wrapped_module_names(model),
-        "forward": type(model).forward.__module__,  # which verl fused forward apply_monkey_patch installed
+        "forward": installed,  # which verl fused forward apply_monkey_patch installed
         "error": None,
         "losses": [],
         "logprob_err": 0.0,

@@ -172,13 +172,16 @@ def _sft_trainer(model, acc, args):
     return trainer
 
 
-def _distillation_trainer(student, acc, teacher, vlm):
+def _distillation_trainer(student, acc, teacher, vlm, convention="instance"):
     import inspect
 
     from trl.models.utils import _ForwardRedirection
     from trl.trainer.distillation_trainer import DistillationTrainer
 
-    trainer = DistillationTrainer.__new__(DistillationTrainer)
+    from .conventions import calling
+
+    cls = calling(DistillationTrainer, "_compute_loss", convention)  # how compute_loss reaches _compute_loss
+    trainer = cls.__new__(cls)
     trainer.model, trainer.accelerator, trainer.teacher_model = student, acc, teacher
     trainer.beta, trainer.temperature = 0.5, 1.0
     trainer.model_kwarg_keys = inspect.signature(type(student).forward).parameters.keys()  # as __init__
@@ -218,10 +221,13 @@ def kernel_spy(seen, recording):
             setattr(m, name, base)
 
 
-def train_trl(rank, world, family, path, patches, bf16=False, steps=2, lr=0.05):
+def train_trl(rank, world, family, path, patches, bf16=False, steps=2, lr=0.05, convention="instance"):
     """One TRL path on this rank against the data-parallel reference; returns ``train_against_reference``'s dict
     plus ``head_weight`` (the type of ``lm_head.weight`` after preparation: ``DTensor`` when sharded apart) and
-    ``kernel_weights`` (what reached TRL's kernel from the sharded model, see ``kernel_spy``)."""
+    ``kernel_weights`` (what reached TRL's kernel from the sharded model, see ``kernel_spy``).
+
+    ``convention`` (``distill`` only): how ``compute_loss`` reaches ``_compute_loss``
+    (``tooling.conventions``: a subclass override calling the base that way)."""
     import fsdp2_compat
 
     rank_env(rank, world)
@@ -229,12 +235,12 @@ def train_trl(rank, world, family, path, patches, bf16=False, steps=2, lr=0.05):
         fsdp2_compat.apply(patches)
     seen, recording = [], [False]
     with cpu_fsdp(), kernel_spy(seen, recording):
-        result = _train(rank, world, family, path, bf16, steps, lr, recording)
+        result = _train(rank, world, family, path, bf16, steps, lr, recording, convention)
     result["kernel_weights"] = sorted(set(seen))
     return result
 
 
-def _train(rank, world, family, path, bf16, steps, lr, recording):
+def _train(rank, world, family, path, bf16, steps, lr, recording, convention):
     import torch
     from trl.trainer import grpo_trainer, sft_trainer
 
@@ -262,8 +268,8 @@ def _train(rank, world, family, path, bf16, steps, lr, recording):
     elif path == "distill":
         teacher = acc.prepare_model(tiny_models.build(family, tie=False, seed=1), evaluation_mode=True)
         vlm = model.config.get_text_config() is not model.config
-        trainers = {id(model): _distillation_trainer(model, acc, teacher, vlm),
-                    id(reference): _distillation_trainer(reference, acc, teacher, vlm)}
+        trainers = {id(model): _distillation_trainer(model, acc, teacher, vlm, convention),
+                    id(reference): _distillation_trainer(reference, acc, teacher, vlm, convention)}
     result = {
         "wrapped": wrapped_module_names(model),
         "head_weight": type(model.get_output_embeddings().weight).__name__,

@@ -3,8 +3,8 @@
 - The layer-class lookup fix gives a transformers 5.x *set* ``_no_split_modules``
   exactly what the released ``get_transformer_layer_cls`` gives the same names as
   a list (its transformers 4.x behaviour), and leaves every other input to it.
-- The selection seam is a class attribute: ``engine.prepare_model(model)`` and
-  ``FSDP2Engine.prepare_model(engine, model)`` both go through it.
+- The selection seam is a class attribute, proven under every calling
+  convention in test_conventions_llamafactory.py.
 - The LoRA branch of ``prepare_model`` (every trainable leaf first): GLM4V /
   Qwen2-Audio crash unpatched and match the data-parallel reference patched on
   2 ranks with different data; a LoRA text model gets its decoder layers back.
@@ -28,7 +28,6 @@ from fsdp2_compat.integrations import llamafactory  # noqa: E402
 from fsdp2_compat.tooling import tiny as tiny_models  # noqa: E402
 from fsdp2_compat.tooling.ranks import run_ranks  # noqa: E402
 from fsdp2_compat.tooling.scenarios import train, with_lora  # noqa: E402
-from support.rank_jobs import lf_call_forms  # noqa: E402
 
 # The releases this module's outcome depends on: .ci/test runs it once per distinct set of them (.ci/matrix.py).
 DEPENDS_ON = ("torch", "transformers", "llamafactory", "peft")
@@ -97,15 +96,6 @@ def test_lookup_fix_leaves_lists_and_unmatched_names_to_the_release():
     unmatched = tiny_models.build("qwen2")
     unmatched._no_split_modules = {"NoSuchLayer"}
     assert FSDP2.get_transformer_layer_cls(unmatched) is released_lookup(unmatched)  # the fallback
-
-
-def test_selection_seam_covers_the_method_called_on_an_instance_and_on_the_class():
-    [units] = run_ranks(lf_call_forms, 1, "glm4v")
-    for form in ("instance", "class"):
-        assert units[form]["unpatched"] is not None and "model.visual.embeddings.position_embedding" in units[form]["unpatched"]
-        assert "model.visual.embeddings.position_embedding" not in units[form]["patched"], form
-        assert "model.visual.blocks.0" in units[form]["patched"], form
-    assert units["instance"]["patched"] == units["class"]["patched"]
 
 
 @pytest.mark.parametrize("family", ["glm4v", "qwen2_audio"])

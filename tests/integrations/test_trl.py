@@ -33,10 +33,7 @@ DEPENDS_ON = ("torch", "transformers", "trl", "accelerate")
 TRL = guards.installed_version("trl")
 ACCELERATE = guards.installed_version("accelerate")
 pytestmark = [
-    pytest.mark.skipif(not guards.in_range(TRL, ">=1.16.0"),
-                       reason="trl %s: the fused head runs on CPU from 1.16.0 (1.15.0 needs Triton)" % TRL),
-    pytest.mark.skipif(not guards.in_range(ACCELERATE, ">=1.14.0"),
-                       reason="accelerate %s keeps lm_head in the root unit (the tail unit is 1.14.0+)" % ACCELERATE),
+    pytest.mark.skipif(trl_jobs.cannot_show_the_bug() is not None, reason=str(trl_jobs.cannot_show_the_bug())),
     pytest.mark.xdist_group("trl"),  # one forkserver with TRL preloaded serves them all
 ]
 

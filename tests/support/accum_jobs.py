@@ -336,7 +336,28 @@ def accumulation_cases(rank, world, framework, family, cases, pairs=(), fused=Fa
     return out
 
 
-def toy_accumulation(rank, world, patches, unused=False, sync="deferred"):
+def adopt_convention(model, convention):
+    """Make torch reach both accumulation seams by ``convention`` (``tooling.conventions``) in ``model``:
+    every ``FSDPParam`` / ``FSDPParamGroup`` of its units gets the subclass that calls torch's method that way.
+    Returns how many objects were given one."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    from fsdp2_compat.tooling.conventions import adopt
+
+    count = 0
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            for group in _groups(module):
+                adopt(group, FSDPParamGroup, "post_backward", convention)
+                for fsdp_param in group.fsdp_params:
+                    adopt(fsdp_param, FSDPParam, "to_accumulated_grad_if_needed", convention)
+                count += 1 + len(group.fsdp_params)
+    return count
+
+
+def toy_accumulation(rank, world, patches, unused=False, sync="deferred", convention="instance"):
     """Pure torch (no transformers): root(text Linear, vis_proj Linear, child unit tower), 2 micro-batches.
 
     Micro-batch 0 is "text only" (``tower`` and ``vis_proj`` unused) with sync
@@ -345,6 +366,8 @@ def toy_accumulation(rank, world, patches, unused=False, sync="deferred"):
     syncs both.  bf16 params, fp32 reduce.  Different data per rank; the
     gradient is compared with an unsharded fp32 copy trained on the
     data-parallel average, and returned (``grads``, full values as lists).
+    ``convention``: how torch's own calls reach the two accumulation methods
+    (``adopt_convention``).
     """
     import copy
 
@@ -380,9 +403,10 @@ def toy_accumulation(rank, world, patches, unused=False, sync="deferred"):
     mesh = init_device_mesh("cpu", (world,))
     fully_shard(model.tower, mesh=mesh, mp_policy=mp_policy("bf16"))
     fully_shard(model, mesh=mesh, mp_policy=mp_policy("bf16"))
+    adopted = adopt_convention(model, convention)
     gen = torch.Generator().manual_seed(7)
     data = [(torch.randn(4, 8, generator=gen), torch.randn(4, 8, generator=gen)) for _ in range(world)]
-    result = {"error": None, "grad_err": None}
+    result = {"error": None, "grad_err": None, "adopted": adopted}
     try:
         if unused:
             model.set_reduce_scatter_unused_params(True)

@@ -65,23 +65,29 @@ def train_families(rank, world, framework, families, patch_of, **kwargs):
 
 
 def lf_call_forms(rank, world, family):
-    """LLaMA-Factory's ``prepare_model`` called as ``engine.prepare_model(model)`` ("instance") and as
-    ``FSDP2Engine.prepare_model(engine, model)`` ("class"): the units, unpatched and with ``glm4v``."""
+    """LLaMA-Factory's ``prepare_model`` reached by each calling convention (``tooling.conventions``: the
+    engine gets the subclass whose override calls the base that way; the caller is ``engine.prepare_model(model)``,
+    and ``"instance, keywords"`` is ``engine.prepare_model(model=model)``): the units, unpatched and with ``glm4v``."""
     import fsdp2_compat
+    from llamafactory.v1.plugins.trainer_plugins.distributed.fsdp2 import FSDP2Engine
+
     from fsdp2_compat.tooling import frameworks, tiny as tiny_models
+    from fsdp2_compat.tooling.conventions import CONVENTIONS, adopt
 
     engine = frameworks.llamafactory_engine(world)
-    cls = type(engine)
-    calls = {"instance": lambda m: engine.prepare_model(m), "class": lambda m: cls.prepare_model(engine, m)}
     out = {}
-    for form, call in calls.items():
+    for form in CONVENTIONS + ("instance, keywords",):
+        adopt(engine, FSDP2Engine, "prepare_model", form.partition(",")[0])
         out[form] = {}
         for label in ("unpatched", "patched"):
             if label == "patched":
                 fsdp2_compat.apply("glm4v")
             try:
                 model = tiny_models.build(family)
-                call(model)
+                if form.endswith("keywords"):
+                    engine.prepare_model(model=model)
+                else:
+                    engine.prepare_model(model)
                 out[form][label] = wrapped_module_names(model)
             finally:
                 fsdp2_compat.revert()
