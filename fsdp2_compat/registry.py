@@ -13,7 +13,7 @@ derived from it (``for_model_type``, ``selection_model_types``).
 Rules that need the whole catalogue live here too (``siblings``).
 """
 
-from .integrations import areal, llamafactory, skyrl, torch_fsdp, trl, verl
+from .integrations import accelerate, areal, llamafactory, skyrl, torch_fsdp, trl, verl
 from .core.records import Patch
 
 # LLaMA-Factory 0.9.5's layer-class lookup, which ignores transformers 5.x's set _no_split_modules:
@@ -59,6 +59,20 @@ _TRL_SYMPTOM = ("TRL (accelerate >= 1.14 FSDP2, untied): silently **unaveraged `
                 "LM head (SFT, GRPO, RLOO, DPO, KTO) and distillation losses")
 _TRL_DELETE = "when TRL reads lm_head.weight through FSDP (not plain full_tensor()) in every release you run"
 
+# accelerate's FSDP2 tail unit (under the HF Trainer, TRL, axolotl): 1.14.0 leaves a tied head in the root unit
+# (every tied model: textlm too), 1.14.0-1.15.0 leave a VLM's head alone without its decoder's norm.
+ACCELERATE_TIED = (accelerate.TIED_TAIL,)
+ACCELERATE = accelerate.TARGETS
+_ACC_TIED_SYMPTOM = ("accelerate 1.14.0 FSDP2 (HF Trainer, TRL, axolotl), tied embeddings: `ValueError: Parameter "
+                     "'model.embed_tokens.weight' is shared with a parameter already managed by another FSDP group` at "
+                     "the first forward")
+_ACC_SYMPTOM = ("; " + _ACC_TIED_SYMPTOM + "; accelerate 1.14.0-1.15.0 FSDP2, untied: `lm_head` alone in its unit, so a "
+                "reader of `lm_head.weight` inside the forward (Liger-Kernel `use_liger_kernel=True`, custom losses) "
+                "crashes with `aten.mm.default got mixed torch.Tensor and DTensor` or, with `full_tensor()`, trains "
+                "`lm_head` on one rank's gradient")
+_ACC_REFS = ("accelerate PR #4015", "accelerate PR #4171")
+_ACC_DELETE = ("when every accelerate you run is >= 1.15.0 and its _find_final_norm finds a VLM decoder's norm")
+
 _LF_SYMPTOM = ("; LLaMA-Factory 0.9.5 on transformers 5.x: \"Could not identify Transformer Layer class\", the "
                "vision blocks stay in the root unit (Qwen3-VL in bf16: `RuntimeError: mixed dtype (CPU)` in the vision "
                "LayerNorm)")
@@ -79,64 +93,67 @@ PATCHES = (
         "vision `position_embedding` is read raw); with verl's `use_fused_kernels`, also its sharded `lm_head.weight` read; "
         "and verl's own GLM-4.1V forward fails outside transformers 5.0.0rc0-rc3 (`'BaseModelOutputWithPooling' object "
         "has no attribute 'shape'` on 5.x, a 3-vs-4 size mismatch on 4.x); "
-        + _TRL_SYMPTOM + _ACCUM_SYMPTOM,
+        + _TRL_SYMPTOM + _ACC_SYMPTOM + _ACCUM_SYMPTOM,
         model_types={"glm4v": "GLM-4.1V", "glm4v_moe": "GLM-4.5V", "glm46v": "GLM-4.6V"},
         # verl serves GLM-4.5V / GLM-4.6V (glm4v_moe) through dense_common's fused forward.
         # verl's own GLM-4.1V forward runs on the transformers verl admits only with GLM4V_FORWARD.
-        targets=WRAP_SELECTION + verl.GLM4V_FORWARD + verl.GLM4V_FUSED + verl.DENSE_FUSED + TRL + GRAD_ACCUMULATION,
-        references=_SELECTION_REFS + _LM_HEAD_REFS + _ACCUM_REFS,
-        delete_when=(_SELECTION_DELETE + "; and " + _LM_HEAD_DELETE + "; and " + _TRL_DELETE + "; and "
+        targets=(WRAP_SELECTION + verl.GLM4V_FORWARD + verl.GLM4V_FUSED + verl.DENSE_FUSED + TRL + ACCELERATE
+                 + GRAD_ACCUMULATION),
+        references=_SELECTION_REFS + _LM_HEAD_REFS + _ACC_REFS + _ACCUM_REFS,
+        delete_when=(_SELECTION_DELETE + "; and " + _LM_HEAD_DELETE + "; and " + _TRL_DELETE + "; and " + _ACC_DELETE
+                     + "; and "
                      + _ACCUM_DELETE),
     ),
     Patch(
         name="qwen3vl",
         summary="verl fused kernels: `aten.mm.default` mixed Tensor/DTensor (0.7.1-0.8.0); silently **unaveraged "
         "`lm_head` gradient** from plain `full_tensor()` (0.9.x), and with a bf16 policy a dtype-mismatch crash; "
-        + _TRL_SYMPTOM + _LF_SYMPTOM + _ACCUM_SYMPTOM,
+        + _TRL_SYMPTOM + _ACC_SYMPTOM + _LF_SYMPTOM + _ACCUM_SYMPTOM,
         model_types={"qwen3_vl": "Qwen3-VL", "qwen3_vl_moe": "Qwen3-VL-MoE"},
-        targets=verl.QWEN3_VL_FUSED + TRL + LF_LAYER_LOOKUP + GRAD_ACCUMULATION,
-        references=_LM_HEAD_REFS + _LF_REFS + _ACCUM_REFS,
-        delete_when=(_LM_HEAD_DELETE + "; and " + _TRL_DELETE + "; and " + _LF_DELETE + "; and "
+        targets=verl.QWEN3_VL_FUSED + TRL + ACCELERATE + LF_LAYER_LOOKUP + GRAD_ACCUMULATION,
+        references=_LM_HEAD_REFS + _ACC_REFS + _LF_REFS + _ACCUM_REFS,
+        delete_when=(_LM_HEAD_DELETE + "; and " + _TRL_DELETE + "; and " + _ACC_DELETE + "; and " + _LF_DELETE + "; and "
                      + _ACCUM_DELETE),
     ),
     Patch(
         name="qwen2vl",
         summary="verl fused kernels: `aten.mm.default` mixed Tensor/DTensor (the sharded `lm_head.weight` is read "
-        "raw); " + _TRL_SYMPTOM + _LF_SYMPTOM + _ACCUM_SYMPTOM,
+        "raw); " + _TRL_SYMPTOM + _ACC_SYMPTOM + _LF_SYMPTOM + _ACCUM_SYMPTOM,
         model_types={"qwen2_vl": "Qwen2-VL", "qwen2_5_vl": "Qwen2.5-VL"},
-        targets=verl.QWEN2_VL_FUSED + TRL + LF_LAYER_LOOKUP + GRAD_ACCUMULATION,
-        references=_LM_HEAD_REFS + _LF_REFS + _ACCUM_REFS,
-        delete_when=(_LM_HEAD_DELETE + "; and " + _TRL_DELETE + "; and " + _LF_DELETE + "; and "
+        targets=verl.QWEN2_VL_FUSED + TRL + ACCELERATE + LF_LAYER_LOOKUP + GRAD_ACCUMULATION,
+        references=_LM_HEAD_REFS + _ACC_REFS + _LF_REFS + _ACCUM_REFS,
+        delete_when=(_LM_HEAD_DELETE + "; and " + _TRL_DELETE + "; and " + _ACC_DELETE + "; and " + _LF_DELETE + "; and "
                      + _ACCUM_DELETE),
     ),
     Patch(
         name="qwen35",
         summary="verl fused kernels: unaveraged `lm_head` gradient (plain `full_tensor()`); " + _TRL_SYMPTOM
-        + _LF_SYMPTOM + _ACCUM_SYMPTOM,
+        + _ACC_SYMPTOM + _LF_SYMPTOM + _ACCUM_SYMPTOM,
         model_types={"qwen3_5": "Qwen3.5", "qwen3_5_moe": "Qwen3.5-MoE"},
-        targets=verl.QWEN3_5_FUSED + TRL + LF_LAYER_LOOKUP + GRAD_ACCUMULATION,
-        references=_LM_HEAD_REFS + _LF_REFS + _ACCUM_REFS,
-        delete_when=(_LM_HEAD_DELETE + "; and " + _TRL_DELETE + "; and " + _LF_DELETE + "; and "
+        targets=verl.QWEN3_5_FUSED + TRL + ACCELERATE + LF_LAYER_LOOKUP + GRAD_ACCUMULATION,
+        references=_LM_HEAD_REFS + _ACC_REFS + _LF_REFS + _ACCUM_REFS,
+        delete_when=(_LM_HEAD_DELETE + "; and " + _TRL_DELETE + "; and " + _ACC_DELETE + "; and " + _LF_DELETE + "; and "
                      + _ACCUM_DELETE),
     ),
     Patch(
         name="textlm",
-        summary="verl fused kernels: `aten.mm.default` mixed Tensor/DTensor (the sharded `lm_head.weight` is read raw)",
+        summary="verl fused kernels: `aten.mm.default` mixed Tensor/DTensor (the sharded `lm_head.weight` is read raw); "
+        + _ACC_TIED_SYMPTOM,
         model_types={"qwen2": "Qwen2 / Qwen2.5", "qwen3": "Qwen3", "llama": "Llama"},
         note="and any other text-only causal LM verl serves through its dense_common fused forward; TRL's "
         "lm_head reads are gathered too (text models are already right under accelerate, whose tail unit holds "
         "the final norm)",
-        targets=verl.DENSE_FUSED + TRL,
-        references=_LM_HEAD_REFS,
-        delete_when=_LM_HEAD_DELETE + "; and " + _TRL_DELETE,
+        targets=verl.DENSE_FUSED + TRL + ACCELERATE_TIED,
+        references=_LM_HEAD_REFS + _ACC_REFS,
+        delete_when=_LM_HEAD_DELETE + "; and " + _TRL_DELETE + "; and when every accelerate you run is >= 1.15.0",
     ),
     _selection_patch(
         "lfm2vl",
         "wrap-time `RuntimeError: Cannot concatenate overlapping meshes` (transformers 5.x), or a mixed "
-        "Tensor/DTensor read of the SigLIP2 `position_embedding` (untied checkpoints); " + _TRL_SYMPTOM,
+        "Tensor/DTensor read of the SigLIP2 `position_embedding` (untied checkpoints); " + _TRL_SYMPTOM + _ACC_SYMPTOM,
         {"lfm2_vl": "LFM2-VL"},
-        TRL,
-        _SELECTION_DELETE + "; and " + _TRL_DELETE,
+        TRL + ACCELERATE,
+        _SELECTION_DELETE + "; and " + _TRL_DELETE + "; and " + _ACC_DELETE,
     ),
     _selection_patch(
         "qwen2audio",
@@ -157,10 +174,10 @@ PATCHES = (
     _selection_patch(
         "paddleocrvl",
         "`aten.add.Tensor got mixed torch.Tensor and DTensor` (vision `position_embedding` read raw; transformers "
-        "< 5.15, from 5.15.0 it is called as a module); " + _TRL_SYMPTOM,
+        "< 5.15, from 5.15.0 it is called as a module); " + _TRL_SYMPTOM + _ACC_SYMPTOM,
         {"paddleocr_vl": "PaddleOCR-VL"},
-        TRL,
-        _SELECTION_DELETE + "; and " + _TRL_DELETE,
+        TRL + ACCELERATE,
+        _SELECTION_DELETE + "; and " + _TRL_DELETE + "; and " + _ACC_DELETE,
     ),
     # Families new in transformers 5.1x (tiny models: fsdp2_compat/tooling/tiny/recent.py).
     _selection_patch(
