@@ -88,8 +88,33 @@ def _apply(patches):
         subset.apply(patches)
 
 
-def reader_steps(rank, world, family, tie, read, patches, steps=2, lr=0.05):
+def reader_cases(rank, world, cases, steps=1, lr=0.05):
+    """``reader_steps`` for each ``(family, tie, read, patches)`` of ``cases`` in this rank process, in order.
+
+    Between cases every patch is reverted and accelerate's shared state reset
+    (one process pair serves every case: a rank process costs more than a case).
+    """
+    import fsdp2_compat
+    from accelerate.state import AcceleratorState
+
+    from fsdp2_compat.tooling import subset
+
+    out = []
+    for family, tie, read, patches in cases:
+        subset.forget()
+        fsdp2_compat.revert()
+        AcceleratorState._reset_state(reset_partial_state=True)
+        out.append(reader_steps(rank, world, family, tie, read, patches, steps=steps, lr=lr))
+    subset.forget()
+    fsdp2_compat.revert()
+    return out
+
+
+def reader_steps(rank, world, family, tie, read, patches, steps=1, lr=0.05):
     """``Accelerator.prepare`` then ``steps`` SGD steps with the ``read`` forward, against the DP reference."""
+    import time
+
+    start = time.monotonic()
     rank_env(rank, world)
     _apply(patches)
     with cpu_fsdp():
@@ -102,15 +127,16 @@ def reader_steps(rank, world, family, tie, read, patches, steps=2, lr=0.05):
                       lm_head_grad_err=0.0, lm_head_rel_to_max=0.0, param_err=0.0, grads_checked=0)
 
         def loss_of(module, batch):
-            out = module(**batch)
-            return out.loss, None
+            return module(**batch).loss, None
 
         def batches_for(step):
             from fsdp2_compat.tooling import tiny as tiny_models
 
             return [tiny_models.make_batch(family, reference, seed=1 + step * world + r) for r in range(world)]
 
-        return train_against_reference(model, reference, rank, world, result, batches_for, loss_of, steps, lr)
+        result = train_against_reference(model, reference, rank, world, result, batches_for, loss_of, steps, lr)
+    result["seconds"] = round(time.monotonic() - start, 2)
+    return result
 
 
 def trainer_step(rank, world, family, tie, read, patches, lr=0.1):
@@ -174,14 +200,15 @@ def _trainer_step(rank, world, family, tie, read, lr):
         for p in reference.parameters():
             if p.grad is not None:
                 p -= lr * p.grad
-    result.update(lm_head_param_err=0.0, lm_head_step_err=0.0, param_err=0.0, worst_param=None,
+    # lm_head_*: None when the head has no parameter of its own (tied: it is the embedding's, checked as that)
+    result.update(lm_head_param_err=None, lm_head_step_err=None, param_err=0.0, worst_param=None,
                   num_items=[[n if n is None else int(n) for _, n in r] for r in got])
     ref = dict(reference.named_parameters())
     for name, p in trainer.model_wrapped.named_parameters():
         full = full_value(p.detach())
         err = rel_err(full, ref[name])
         if name == "lm_head.weight":
-            step, ref_step = full.float() - before[name], ref[name].float() - before[name]
+            step, ref_step = full.float() - before[name], ref[name].detach().float() - before[name]
             result["lm_head_param_err"] = err
             result["lm_head_step_err"] = float((step - ref_step).abs().max() / ref_step.abs().max().clamp_min(1e-12))
         elif err >= result["param_err"]:
