@@ -17,8 +17,8 @@ target here (mechanisms in ``fsdp2_compat.fixes.tail_unit``):
   another FSDP group`` at the first forward (tied Qwen3 / Qwen2.5-VL /
   Qwen3-VL / Llama-3.2 / Gemma-3 shapes); older torches untie them silently.
   Fixed in 1.15.0 (PR #4171), whose unit ``[norm, embed, head]`` the seam
-  builds.  accelerate <= 1.13 has no tail unit (everything but the layers and
-  an untied input embedding is in the root unit): nothing to fix.
+  builds.  accelerate 1.6.0-1.13.0 have no tail unit (everything but the
+  layers is in the root unit): nothing to fix.
 - ``VLM_FINAL_NORM`` (1.14.0-1.15.0): ``_find_final_norm`` looks only at the
   base model's direct children; a VLM's base has none, so the head is alone
   in its unit and a direct reader (Liger-Kernel's fused linear
@@ -50,8 +50,10 @@ INTEGRATION = Integration(
     callers=("accelerate.utils", "accelerate.accelerator"),  # import fsdp2_prepare_model by name
 )
 
-_NO_TAIL = ("no tail unit: fsdp2_prepare_model shards the layers (and an untied input embedding) and leaves the "
-            "norm and lm_head in the root unit, which is unsharded for the whole forward")
+_NO_FSDP2 = "no fsdp2_prepare_model: FSDP2 preparation arrived in 1.6.0"
+_NO_TAIL = ("no tail unit: fsdp2_prepare_model shards the auto-wrap policy's modules (the layers) and then the root, "
+            "so the embeddings, the norm and lm_head share the root unit, unsharded for the whole forward "
+            "(read: every release 1.6.0-1.13.0)")
 
 TIED_TAIL = Target(
     dist="accelerate",
@@ -62,7 +64,7 @@ TIED_TAIL = Target(
     seam="fsdp2_compat.fixes.tail_unit:prepare_model_seam",
     what="accelerate FSDP2 tail unit (tied lm_head left in the root unit)",
     fixed_in=">=1.15.0",
-    declared={"<1.14.0": _NO_TAIL},
+    declared={"<1.6.0": _NO_FSDP2, ">=1.6.0,<1.14.0": _NO_TAIL},
 )
 
 VLM_FINAL_NORM = Target(
@@ -73,7 +75,7 @@ VLM_FINAL_NORM = Target(
     fingerprints={"1.14.0-1.15.0": "0428d06c1e0fac6e"},
     seam="fsdp2_compat.fixes.tail_unit:final_norm_seam",
     what="accelerate FSDP2 tail unit (a VLM's lm_head alone, without its decoder's norm)",
-    declared={"<1.14.0": "no _find_final_norm; " + _NO_TAIL},
+    declared={"<1.6.0": _NO_FSDP2, ">=1.6.0,<1.14.0": "no _find_final_norm; " + _NO_TAIL},
 )
 
 TARGETS = (TIED_TAIL, VLM_FINAL_NORM)

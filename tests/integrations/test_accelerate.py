@@ -114,13 +114,12 @@ def test_unpatched_full_tensor_reader_trains_lm_head_on_one_rank(reader, family)
         assert r["lm_head_rel_to_max"] > 0.1 and r["lm_head_grad_err"] > 1e-3, r  # measured 0.97-0.99 of max
 
 
-@pytest.mark.parametrize("read", ["raw", "full_tensor"])
-@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
-@pytest.mark.parametrize("family", FAMILIES)
-def test_patched_every_gradient_matches_the_dp_average(reader, family, tie, read):
-    case = (family, tie, read, PATCH[family])
-    if case not in reader:
-        pytest.skip("full_tensor() reader: only untied VLMs have a sharded head to read that way")
+PATCHED = [c for c in CASES if c[3] is not None]
+
+
+@pytest.mark.parametrize("case", PATCHED, ids=["%s-%s-%s" % (f, "tied" if t else "untied", r) for f, t, r, _ in PATCHED])
+def test_patched_every_gradient_matches_the_dp_average(reader, case):
+    family, tie, read, _ = case
     results = reader[case]
     _print(case, results)
     _exact(results, tie)
