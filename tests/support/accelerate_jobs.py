@@ -55,10 +55,33 @@ def reader_forward(read):
     return forward
 
 
+# TRL 1.4.0-1.14.2's own forwards that read lm_head.weight after running the base model, installed on the
+# instance by TRL's own function (``full_tensor()`` when the weight is a DTensor): SFT's loss_type="chunked_nll"
+# and async GRPO's chunked log-probs.
+TRL_READERS = ("trl_chunked_nll", "trl_chunked_logps")
+
+
 def _install(model, read):
-    if read is not None:
+    if read == "trl_chunked_nll":
+        from trl.trainer.sft_trainer import _patch_chunked_ce_lm_head
+
+        _patch_chunked_ce_lm_head(model, chunk_size=16, is_vlm=model.config.get_text_config() is not model.config)
+    elif read == "trl_chunked_logps":
+        from trl.trainer.utils import patch_chunked_lm_head
+
+        patch_chunked_lm_head(model, chunk_size=16, temperature=1.0)
+    elif read is not None:
         model.forward = types.MethodType(reader_forward(read), model)
     return model
+
+
+def _loss(module, batch, read):
+    if read != "trl_chunked_logps":
+        return module(**batch).loss
+    labels = batch["labels"]  # log-probs of the real tokens where the batch has labels (the "completion")
+    mask = labels.ne(-100)
+    out = module(**dict(batch, labels=batch["input_ids"]), completion_mask=mask.long())
+    return -(out["log_probs"] * mask[:, 1:]).sum() / mask[:, 1:].sum().clamp(min=1)
 
 
 def _build(family, tie, read):
@@ -127,7 +150,7 @@ def reader_steps(rank, world, family, tie, read, patches, steps=1, lr=0.05):
                       lm_head_grad_err=0.0, lm_head_rel_to_max=0.0, param_err=0.0, grads_checked=0)
 
         def loss_of(module, batch):
-            return module(**batch).loss, None
+            return _loss(module, batch, read), None
 
         def batches_for(step):
             from fsdp2_compat.tooling import tiny as tiny_models
