@@ -228,3 +228,24 @@ def test_seams_apply_rebind_callers_and_revert(python):
     else:
         assert report["rows"]["fsdp2_prepare_model"] == engine.NOT_NEEDED and not report["prepare_ours"], report
     assert report["callers"] and report["fully_shard_kept"] and report["reverted"], report
+
+
+OLDER_TRL_CASES = [("qwen2_5_vl", False, read, p) for read in accelerate_jobs.TRL_READERS for p in (None, GROUPING_ONLY)]
+
+
+@pytest.mark.skipif(not guards.in_range(TRL or "0", ">=1.4.0,<1.15.0"),
+                    reason="trl %s: _patch_chunked_ce_lm_head / patch_chunked_lm_head are TRL 1.4.0-1.14.2's" % TRL)
+def test_older_trl_chunked_forwards_are_exact_with_the_grouping_fixed():
+    """TRL 1.4.0-1.14.2's own chunked forwards (SFT ``chunked_nll``, async GRPO log-probs), untied Qwen2.5-VL:
+    ``full_tensor()`` of the sharded head unpatched; with the accelerate targets alone, exact."""
+    results = run_ranks(accelerate_jobs.reader_cases, 2, OLDER_TRL_CASES, timeout=300)
+    for i, case in enumerate(OLDER_TRL_CASES):
+        pair = [results[0][i], results[1][i]]
+        _print(case, pair)
+        if case[3] is None:
+            for r in pair:
+                assert r["error"] is None and r["worst_grad"] == "lm_head.weight", r
+                assert r["lm_head_rel_to_max"] > 0.1, r
+        else:
+            _exact(pair, False)
+            assert pair[0]["head_unit"] == ["lm_head", "model.language_model.norm"], pair[0]["head_unit"]
