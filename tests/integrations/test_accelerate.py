@@ -32,6 +32,7 @@ from fsdp2_compat import registry  # noqa: E402
 from fsdp2_compat.core import engine, guards, policy  # noqa: E402
 from fsdp2_compat.integrations import accelerate as acc_integration  # noqa: E402
 from fsdp2_compat.tooling.ranks import run_ranks  # noqa: E402
+from fsdp2_compat.tooling import accelerate_scenarios  # noqa: E402
 from support import accelerate_jobs  # noqa: E402
 
 DEPENDS_ON = ("torch", "transformers", "accelerate", "trl")
@@ -62,7 +63,7 @@ CASES += [(f, False, "full_tensor", p) for f in VLMS for p in (None, PATCH[f])]
 @pytest.fixture(scope="module")
 def reader():
     """Every Liger-style reader case on one rank pair: ``{case: [rank 0 result, rank 1 result]}``."""
-    results = run_ranks(accelerate_jobs.reader_cases, 2, CASES, timeout=400)
+    results = run_ranks(accelerate_scenarios.reader_cases, 2, CASES, timeout=400)
     return {case: [results[0][i], results[1][i]] for i, case in enumerate(CASES)}
 
 
@@ -230,7 +231,7 @@ def test_seams_apply_rebind_callers_and_revert(python):
     assert report["callers"] and report["fully_shard_kept"] and report["reverted"], report
 
 
-OLDER_TRL_CASES = [("qwen2_5_vl", False, read, p) for read in accelerate_jobs.TRL_READERS for p in (None, GROUPING_ONLY)]
+OLDER_TRL_CASES = [("qwen2_5_vl", False, read, p) for read in accelerate_scenarios.TRL_READERS for p in (None, GROUPING_ONLY)]
 
 
 @pytest.mark.skipif(not guards.in_range(TRL or "0", ">=1.4.0,<1.15.0"),
@@ -238,7 +239,7 @@ OLDER_TRL_CASES = [("qwen2_5_vl", False, read, p) for read in accelerate_jobs.TR
 def test_older_trl_chunked_forwards_are_exact_with_the_grouping_fixed():
     """TRL 1.4.0-1.14.2's own chunked forwards (SFT ``chunked_nll``, async GRPO log-probs), untied Qwen2.5-VL:
     ``full_tensor()`` of the sharded head unpatched; with the accelerate targets alone, exact."""
-    results = run_ranks(accelerate_jobs.reader_cases, 2, OLDER_TRL_CASES, timeout=300)
+    results = run_ranks(accelerate_scenarios.reader_cases, 2, OLDER_TRL_CASES, timeout=300)
     for i, case in enumerate(OLDER_TRL_CASES):
         pair = [results[0][i], results[1][i]]
         _print(case, pair)
