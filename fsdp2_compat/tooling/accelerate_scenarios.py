@@ -101,12 +101,16 @@ def head_layout(model):
     """What preparation made of the model's end: tie, units, which modules share lm_head's unit."""
     from torch.distributed.fsdp import FSDPModule
 
+    import torch.distributed.fsdp as fsdp
+    from torch.distributed.fsdp._fully_shard import fully_shard
+
     head, embed = model.get_output_embeddings(), model.get_input_embeddings()
     state = head._get_fsdp_state() if isinstance(head, FSDPModule) else None
     unit = sorted(name for name, m in model.named_modules()
                   if state is not None and isinstance(m, FSDPModule) and m._get_fsdp_state() is state)
     return {"tied": embed.weight is head.weight, "wrapped": wrapped_module_names(model), "head_unit": unit,
-            "head_weight": type(head.weight).__name__}
+            "head_weight": type(head.weight).__name__,
+            "fully_shard_restored": fsdp.fully_shard is fully_shard}  # torch's name, after a tied preparation
 
 
 def reader_cases(rank, world, cases, steps=1, lr=0.05):

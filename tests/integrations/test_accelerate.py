@@ -75,6 +75,7 @@ def _exact(results, tie):
         assert r["lm_head_grad_err"] < TOL and r["lm_head_rel_to_max"] < TOL, r
         assert r["grads_checked"] > 10
         assert r["tied"] is tie, r  # a tie survives preparation (and nothing ties an untied model)
+        assert r["fully_shard_restored"], r  # torch.distributed.fsdp.fully_shard is torch's again
     assert results[0]["losses"] != results[1]["losses"], "same data on both ranks"
 
 
