@@ -54,7 +54,7 @@ import threading
 # During a tied 1.14.0 preparation: (input embedding, output embedding) of the model being prepared.
 _tied = contextvars.ContextVar("fsdp2_compat_tied_tail", default=None)
 _swap_lock = threading.Lock()
-_swap_depth = [0, None]  # active preparations, torch's fully_shard while swapped
+_swapped = {"depth": 0, "torch": None}  # tied preparations in progress; torch's fully_shard meanwhile
 
 
 def _is_norm(module):
@@ -148,22 +148,22 @@ def _install_tail_call():
     import wrapt
 
     with _swap_lock:
-        if _swap_depth[0] == 0:
-            _swap_depth[1] = fsdp.__dict__["fully_shard"]
-            fsdp.fully_shard = wrapt.FunctionWrapper(_swap_depth[1], _tail_call)
-        _swap_depth[0] += 1
+        if _swapped["depth"] == 0:
+            _swapped["torch"] = fsdp.__dict__["fully_shard"]
+            fsdp.fully_shard = wrapt.FunctionWrapper(_swapped["torch"], _tail_call)
+        _swapped["depth"] += 1
 
 
 def _remove_tail_call():
     import torch.distributed.fsdp as fsdp
 
     with _swap_lock:
-        _swap_depth[0] -= 1
-        if _swap_depth[0] == 0:
+        _swapped["depth"] -= 1
+        if _swapped["depth"] == 0:
             current = fsdp.__dict__.get("fully_shard")
-            if getattr(current, "__wrapped__", None) is _swap_depth[1]:  # still ours: restore torch's
-                fsdp.fully_shard = _swap_depth[1]
-            _swap_depth[1] = None
+            if getattr(current, "__wrapped__", None) is _swapped["torch"]:  # still ours: restore torch's
+                fsdp.fully_shard = _swapped["torch"]
+            _swapped["torch"] = None
 
 
 def prepare_model_seam(module, attr):
