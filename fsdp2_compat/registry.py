@@ -13,7 +13,7 @@ derived from it (``for_model_type``, ``selection_model_types``).
 Rules that need the whole catalogue live here too (``siblings``).
 """
 
-from .integrations import areal, llamafactory, skyrl, torch_fsdp, trl, verl
+from .integrations import accelerate, areal, llamafactory, skyrl, torch_fsdp, trl, verl
 from .core.records import Patch
 
 # LLaMA-Factory 0.9.5's layer-class lookup, which ignores transformers 5.x's set _no_split_modules:
@@ -54,6 +54,13 @@ _ACCUM_DELETE = "when every torch you run is >= 2.15.0 (FSDP2 accumulation rewri
 TRL = trl.TARGETS
 _TRL_DELETE = "when TRL reads lm_head.weight through FSDP (not plain full_tensor()) in every release you run"
 
+# accelerate's FSDP2 tail unit (under the HF Trainer, TRL, axolotl): 1.14.0 leaves a tied head in the root unit
+# (every tied model: textlm too), 1.14.0-1.15.0 leave a VLM's head alone without its decoder's norm.
+ACCELERATE_TIED = (accelerate.TIED_TAIL,)
+ACCELERATE = accelerate.TARGETS
+_ACC_REFS = ("accelerate PR #4015", "accelerate PR #4171")
+_ACC_DELETE = ("when every accelerate you run is >= 1.15.0 and its _find_final_norm finds a VLM decoder's norm")
+
 _LF_DELETE = "when LLaMA-Factory's layer-class lookup reads a set _no_split_modules (main: PR #10656) in your release"
 
 
@@ -74,9 +81,11 @@ PATCHES = (
         model_types={"glm4v": "GLM-4.1V", "glm4v_moe": "GLM-4.5V", "glm46v": "GLM-4.6V"},
         # verl serves GLM-4.5V / GLM-4.6V (glm4v_moe) through dense_common's fused forward.
         # verl's own GLM-4.1V forward runs on the transformers verl admits only with GLM4V_FORWARD.
-        targets=WRAP_SELECTION + verl.GLM4V_FORWARD + verl.GLM4V_FUSED + verl.DENSE_FUSED + TRL + GRAD_ACCUMULATION,
-        references=_SELECTION_REFS + _LM_HEAD_REFS + _ACCUM_REFS,
-        delete_when=(_SELECTION_DELETE + "; and " + _LM_HEAD_DELETE + "; and " + _TRL_DELETE + "; and "
+        targets=(WRAP_SELECTION + verl.GLM4V_FORWARD + verl.GLM4V_FUSED + verl.DENSE_FUSED + TRL + ACCELERATE
+                 + GRAD_ACCUMULATION),
+        references=_SELECTION_REFS + _LM_HEAD_REFS + _ACC_REFS + _ACCUM_REFS,
+        delete_when=(_SELECTION_DELETE + "; and " + _LM_HEAD_DELETE + "; and " + _TRL_DELETE + "; and " + _ACC_DELETE
+                     + "; and "
                      + _ACCUM_DELETE),
     ),
     Patch(
@@ -84,9 +93,9 @@ PATCHES = (
         summary="verl fused kernels: `aten.mm.default` mixed Tensor/DTensor (0.7.1-0.8.0); silently **unaveraged "
         "`lm_head` gradient** from plain `full_tensor()` (0.9.x), and with a bf16 policy a dtype-mismatch crash",
         model_types={"qwen3_vl": "Qwen3-VL", "qwen3_vl_moe": "Qwen3-VL-MoE"},
-        targets=verl.QWEN3_VL_FUSED + TRL + LF_LAYER_LOOKUP + GRAD_ACCUMULATION,
-        references=_LM_HEAD_REFS + _LF_REFS + _ACCUM_REFS,
-        delete_when=(_LM_HEAD_DELETE + "; and " + _TRL_DELETE + "; and " + _LF_DELETE + "; and "
+        targets=verl.QWEN3_VL_FUSED + TRL + ACCELERATE + LF_LAYER_LOOKUP + GRAD_ACCUMULATION,
+        references=_LM_HEAD_REFS + _ACC_REFS + _LF_REFS + _ACCUM_REFS,
+        delete_when=(_LM_HEAD_DELETE + "; and " + _TRL_DELETE + "; and " + _ACC_DELETE + "; and " + _LF_DELETE + "; and "
                      + _ACCUM_DELETE),
     ),
     Patch(
@@ -94,18 +103,18 @@ PATCHES = (
         summary="verl fused kernels: `aten.mm.default` mixed Tensor/DTensor (the sharded `lm_head.weight` is read "
         "raw)",
         model_types={"qwen2_vl": "Qwen2-VL", "qwen2_5_vl": "Qwen2.5-VL"},
-        targets=verl.QWEN2_VL_FUSED + TRL + LF_LAYER_LOOKUP + GRAD_ACCUMULATION,
-        references=_LM_HEAD_REFS + _LF_REFS + _ACCUM_REFS,
-        delete_when=(_LM_HEAD_DELETE + "; and " + _TRL_DELETE + "; and " + _LF_DELETE + "; and "
+        targets=verl.QWEN2_VL_FUSED + TRL + ACCELERATE + LF_LAYER_LOOKUP + GRAD_ACCUMULATION,
+        references=_LM_HEAD_REFS + _ACC_REFS + _LF_REFS + _ACCUM_REFS,
+        delete_when=(_LM_HEAD_DELETE + "; and " + _TRL_DELETE + "; and " + _ACC_DELETE + "; and " + _LF_DELETE + "; and "
                      + _ACCUM_DELETE),
     ),
     Patch(
         name="qwen35",
         summary="verl fused kernels: unaveraged `lm_head` gradient (plain `full_tensor()`)",
         model_types={"qwen3_5": "Qwen3.5", "qwen3_5_moe": "Qwen3.5-MoE"},
-        targets=verl.QWEN3_5_FUSED + TRL + LF_LAYER_LOOKUP + GRAD_ACCUMULATION,
-        references=_LM_HEAD_REFS + _LF_REFS + _ACCUM_REFS,
-        delete_when=(_LM_HEAD_DELETE + "; and " + _TRL_DELETE + "; and " + _LF_DELETE + "; and "
+        targets=verl.QWEN3_5_FUSED + TRL + ACCELERATE + LF_LAYER_LOOKUP + GRAD_ACCUMULATION,
+        references=_LM_HEAD_REFS + _ACC_REFS + _LF_REFS + _ACCUM_REFS,
+        delete_when=(_LM_HEAD_DELETE + "; and " + _TRL_DELETE + "; and " + _ACC_DELETE + "; and " + _LF_DELETE + "; and "
                      + _ACCUM_DELETE),
     ),
     Patch(
@@ -115,17 +124,17 @@ PATCHES = (
         note="and any other text-only causal LM verl serves through its dense_common fused forward; TRL's "
         "lm_head reads are gathered too (text models are already right under accelerate, whose tail unit holds "
         "the final norm)",
-        targets=verl.DENSE_FUSED + TRL,
-        references=_LM_HEAD_REFS,
-        delete_when=_LM_HEAD_DELETE + "; and " + _TRL_DELETE,
+        targets=verl.DENSE_FUSED + TRL + ACCELERATE_TIED,
+        references=_LM_HEAD_REFS + _ACC_REFS,
+        delete_when=_LM_HEAD_DELETE + "; and " + _TRL_DELETE + "; and when every accelerate you run is >= 1.15.0",
     ),
     _selection_patch(
         "lfm2vl",
         "wrap-time `RuntimeError: Cannot concatenate overlapping meshes` (transformers 5.x), or a mixed "
         "Tensor/DTensor read of the SigLIP2 `position_embedding` (untied checkpoints)",
         {"lfm2_vl": "LFM2-VL"},
-        TRL,
-        _SELECTION_DELETE + "; and " + _TRL_DELETE,
+        TRL + ACCELERATE,
+        _SELECTION_DELETE + "; and " + _TRL_DELETE + "; and " + _ACC_DELETE,
     ),
     _selection_patch(
         "qwen2audio",
@@ -148,8 +157,8 @@ PATCHES = (
         "`aten.add.Tensor got mixed torch.Tensor and DTensor` (vision `position_embedding` read raw; transformers "
         "< 5.15, from 5.15.0 it is called as a module)",
         {"paddleocr_vl": "PaddleOCR-VL"},
-        TRL,
-        _SELECTION_DELETE + "; and " + _TRL_DELETE,
+        TRL + ACCELERATE,
+        _SELECTION_DELETE + "; and " + _TRL_DELETE + "; and " + _ACC_DELETE,
     ),
     # Families new in transformers 5.1x (tiny models: fsdp2_compat/tooling/tiny/recent.py).
     _selection_patch(

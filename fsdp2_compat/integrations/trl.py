@@ -20,17 +20,17 @@ false, TRL uses FSDP's unsharded ``param_dtype`` parameter, and FSDP's own
 post-backward reduce-scatters (averages) its gradient.  TRL's math is not
 touched.
 
-Why the seam is TRL's read, not accelerate's grouping: the project's rule is
-that a raw read of a sharded parameter goes through the unit that owns it.
-accelerate's grouping is a legitimate memory plan (a head alone in its unit
-is what any user ``fully_shard(model.lm_head)`` gives too), and a fix at the
-reader is right under any grouping and any accelerate release.  The
-alternative, ``accelerate.utils.fsdp_utils._find_final_norm`` also searching
-``model.get_decoder()`` so a VLM's tail becomes ``[language_model.norm,
-lm_head]`` (one small function, accelerate 1.14.0-1.15.0), also makes TRL's
-reads exact, but it changes the FSDP grouping of every accelerate FSDP2 VLM
-user, relies on the norm's forward running before every read, and leaves any
-other grouping broken; it is not what we change.
+Both are fixed, at two seams: accelerate's grouping (``fsdp2_compat.integrations.accelerate``:
+the VLM tail unit gets its decoder's final norm, accelerate 1.14.0-1.15.0) and
+TRL's reads (here).  With the grouping fixed, the norm's forward unshards the
+tail before TRL reads the head, so TRL's ``isinstance(weight, DTensor)`` test is
+false and its read is exact without the targets below (measured: one
+``SFTTrainer.train()`` step, untied Qwen2.5-VL, accelerate 1.14.0 and 1.15.0,
+``tests/integrations/test_accelerate.py``).  The reader targets stay: they are
+right under any grouping (a user's own ``fully_shard(model.lm_head)``, an
+accelerate release whose norm search the accelerate target does not know, a
+model whose decoder exposes no norm), and they cost nothing when the head is
+already unsharded (a plain tensor is left as it is).
 
 Seams:
 - ``trl.trainer.utils:add_fused_lm_head`` (1.15.0+).  It builds a closure per
@@ -61,15 +61,23 @@ unsharded, or ``lm_head`` in the root unit as with accelerate <= 1.13) is left
 as it is; a sharded head that is not an FSDP2 unit raises ``GatherError`` with
 the reason.  Models TRL fused while the patch was on keep the gathering
 wrapper after a revert (it is correct on any release).  TRL 1.1.0-1.14.2 read
-the head through other functions (``_patch_chunked_ce_lm_head``,
-``patch_chunked_lm_head``, in 1.14.x also GRPO/DPO/KTO's chunked log-probs):
-recorded below as ``unsupported``: a requested patch is refused there with a
-warning that says so, never silently "not needed".
+the head through other functions: recorded below as ``unsupported`` (a
+requested patch refuses this target there with a warning, never silently "not
+needed").  What the accelerate targets of the same patches do for them: the
+forwards TRL installs on the model, ``sft_trainer._patch_chunked_ce_lm_head``
+(1.4.0+, ``loss_type="chunked_nll"``) and ``utils.patch_chunked_lm_head``
+(async GRPO), run the base model inside the model's forward and then read
+``self.lm_head.weight``: with the tail unit fixed they read FSDP's unsharded
+parameter and are exact (proven on 1.14.2 with accelerate 1.15.0, set
+``trl114``).  Not proven, so still refused: readers that run the backbone
+outside the model's forward (1.14.x ``GRPOTrainer._chunked_logps``, the DPO /
+KTO ``_get_per_token_logps_and_entropies``) and the 1.1.0-1.13.x GRPO / DPO /
+KTO / reward-trainer readers, which were not read one by one.
 
 Upstream: no TRL or accelerate issue yet.  Delete when TRL reads the head
 through FSDP (e.g. ``lm_head.unshard()`` before the read) in every release you
-run, or accelerate never leaves a head alone in a unit whose forward does not
-run.
+run, or every grouping you train under (accelerate's included) unshards the
+head before TRL reads it.
 """
 
 from ..core.records import Integration, Target
@@ -79,7 +87,7 @@ INTEGRATION = Integration(
     package="trl",
     # TRL does not wrap the training model itself: accelerate's
     # ``accelerate.utils.fsdp_utils.fsdp2_prepare_model`` does (Trainer -> Accelerator.prepare),
-    # and that is not patched.  No ``apply_fsdp2`` here, hence None.
+    # patched in ``fsdp2_compat.integrations.accelerate``.  No ``apply_fsdp2`` here, hence None.
     wrap_module=None,
     callers=(  # modules that import ``add_fused_lm_head`` by name (1.15.0-1.16.0)
         "trl.trainer",
@@ -99,7 +107,8 @@ _WHAT = "TRL reads lm_head.weight outside its forward (%s)"
 _OLDER_READERS = (
     "no add_fused_lm_head; this release reads lm_head.weight through patch_chunked_lm_head (from 1.4.0 also "
     "sft_trainer._patch_chunked_ce_lm_head; in 1.14.x also GRPOTrainer._chunked_logps and the DPO/KTO "
-    "_get_per_token_logps_and_entropies): not covered by fsdp2-compat yet"
+    "_get_per_token_logps_and_entropies): not covered by fsdp2-compat yet (the two chunked forwards are exact "
+    "under accelerate 1.14.0-1.15.0 with the same patch's accelerate targets; the other readers are not proven)"
 )
 
 FUSED_LM_HEAD = Target(

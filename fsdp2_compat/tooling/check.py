@@ -19,7 +19,10 @@ where "fixed" means the lm_head gradient matches the data-parallel average.
 Where TRL is installed, its SFT loss (``SFTTrainer.compute_loss`` through the
 fused LM head) runs the same way on a model prepared by accelerate's own FSDP2
 preparation, for ``TRL_FAMILIES`` ("TRL SFT, 2 ranks"; see
-``trl_scenarios``).
+``trl_scenarios``).  Where accelerate 1.14.0-1.15.0 is installed, its FSDP2
+preparation runs with a Liger-style reader of ``lm_head.weight`` (untied
+Qwen2.5-VL) and with a tied text model ("accelerate ..., 2 ranks"; see
+``accelerate_scenarios``).
 
 Last, the whole path users run: GLM-4.1V through each installed training
 engine that runs on CPU here (verl's FSDP engine, SkyRL's FSDPStrategy; see
@@ -118,6 +121,15 @@ def quiet_train_trl(rank, world, *args, **kwargs):
     from .trl_scenarios import train_trl
 
     result, output = _captured(train_trl, rank, world, *args, **kwargs)
+    result["output"] = output
+    return result
+
+
+def quiet_reader_steps(rank, world, *args, **kwargs):
+    """``accelerate_scenarios.reader_steps`` in a rank process, its prints captured into ``result["output"]``."""
+    from .accelerate_scenarios import reader_steps
+
+    result, output = _captured(reader_steps, rank, world, *args, **kwargs)
     result["output"] = output
     return result
 
@@ -271,6 +283,26 @@ def trl_cases(families=None):
     return out
 
 
+# accelerate's tail unit (1.14.0-1.15.0): (family, tied, kind) rows, each two 2-rank runs.
+ACC_CASES = (("qwen2_5_vl", False, "accelerate lm_head reader, 2 ranks"),
+             ("qwen2", True, "accelerate tied, 2 ranks"))
+
+
+def accelerate_cases(families=None):
+    """``[(family, patch, kind)]`` for accelerate's tail unit, where a patch of the family carries its targets."""
+    from fsdp2_compat import registry
+
+    from . import tiny
+
+    out = []
+    for mt, _, kind in ACC_CASES:
+        p = registry.for_model_type(mt)
+        if (families is None or mt in families) and p is not None and any(t.dist == "accelerate" for t in p.targets):
+            if tiny.available(mt) is True:
+                out.append((mt, p.name, kind))
+    return out
+
+
 def run_checks(families=None, frameworks=None, progress=None):
     """Return the result rows; ``progress(message)`` is called before each case."""
     import datetime
@@ -321,6 +353,10 @@ def run_checks(families=None, frameworks=None, progress=None):
     if trl and guards.in_range(trl, ">=1.16.0") and (frameworks is None or "trl" in frameworks):
         # TRL 1.15.0's fused head needs Triton: it cannot run on CPU.
         cases += [("trl", trl, family, patch, TRL_KIND) for family, patch in trl_cases(families)]
+    acc = guards.installed_version("accelerate")
+    if acc and guards.in_range(acc, ">=1.14.0,<=1.15.0") and (frameworks is None or "accelerate" in frameworks):
+        # Where the tail unit exists: a Liger-style lm_head reader (untied VLM), and a tied model.
+        cases += [("accelerate", acc, family, patch, kind) for family, patch, kind in accelerate_cases(families)]
     cases += [c for c in engine_cases(families) if frameworks is None or c[0] in frameworks]
     import tempfile
 
@@ -354,6 +390,11 @@ def run_checks(families=None, frameworks=None, progress=None):
             elif kind == TRL_KIND:
                 unpatched = _two_ranks(quiet_train_trl, family, "sft", None)
                 patched = _two_ranks(quiet_train_trl, family, "sft", patch)
+            elif kind in {k for _, _, k in ACC_CASES}:
+                tied = dict((k, t) for _, t, k in ACC_CASES)[kind]
+                read = None if tied else "raw"
+                unpatched = _two_ranks(quiet_reader_steps, family, tied, read, None)
+                patched = _two_ranks(quiet_reader_steps, family, tied, read, patch)
             elif kind in ENGINES:
                 unpatched = _engine(kind, family, None, models.name)
                 patched = _engine(kind, family, patch, models.name)
@@ -405,7 +446,7 @@ def main(args):
     print(summary)
     print(format_rows(rows) if getattr(args, "verbose", False) else format_lines(rows))
     print(summary)
-    if any(r["kind"] in ("fused, 2 ranks", TRL_KIND) for r in rows):
+    if any(r["kind"] in ("fused, 2 ranks", TRL_KIND) + tuple(k for _, _, k in ACC_CASES) for r in rows):
         print("note: '2 ranks' rows train on two gloo ranks with different data and compare the "
               "lm_head gradient with the data-parallel average; one rank cannot show that bug.")
     if any(r["kind"] in ENGINES for r in rows):

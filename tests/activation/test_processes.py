@@ -822,6 +822,9 @@ def test_import_auto_at_the_top_of_a_trl_script_applies_the_trl_target(venv, tmp
     assert _trl_patched(r) and r["alias_is_ours"], r["rows"]
 
 
+# qwen3vl carries accelerate's VLM tail-unit target, applied where accelerate's code is the fingerprinted 1.14.0-1.15.0.
+ACC_NORM_PATCHED = guards.in_range(guards.installed_version("accelerate") or "0", ">=1.14.0,<=1.15.0")
+
 ACCELERATE_RANK = r"""
 import torch.distributed as dist
 from accelerate import PartialState
@@ -855,6 +858,9 @@ def test_accelerate_launch_every_rank_applies_the_trl_target(venv, tmp_path):
         _assert_installed_copy(venv, r)
         assert r["decisions"]["bootstrap"]["active"] is True, r["decisions"]
         assert _trl_patched(r) and r["alias_is_ours"], (r["rank"], r["rows"])
+        # accelerate's own FSDP2 preparation is patched in every rank too (its tail unit: the VLM's final norm)
+        assert r["swapped"].get("accelerate:accelerate.utils.fsdp_utils._find_final_norm") is ACC_NORM_PATCHED, (
+            r["rank"], r["swapped"])
 
 
 NEW_FRAMEWORKS = [d for d in ("areal", "llamafactory") if guards.installed_version(d)]

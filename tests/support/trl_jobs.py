@@ -57,11 +57,10 @@ def sft_train_step(rank, world, family, patches, bf16=False, accum=1, lr=0.1):
     on the DP-average gradient of exactly those batches (SFT's default nll loss,
     normalised as ``Trainer`` + ``SFTTrainer.compute_loss`` do).
     """
-    import fsdp2_compat
+    from fsdp2_compat.tooling import subset
 
     rank_env(rank, world)
-    if patches:
-        fsdp2_compat.apply(patches)
+    subset.apply(patches)  # patch names, or exact target keys (tests/integrations/test_accelerate.py)
     with cpu_fsdp():
         return _sft_train_step(rank, world, family, bf16, accum, lr)
 

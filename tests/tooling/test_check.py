@@ -22,6 +22,7 @@ def test_check_shows_the_crash_unpatched_and_the_fix_patched(python):
         import sys
         from fsdp2_compat.tooling import check
         check.engine_cases = lambda families=None: []  # the engine rows: the test below
+        check.accelerate_cases = lambda families=None: []  # accelerate's rows: their own test
         from fsdp2_compat.cli import main
         sys.exit(main(["check", "--json", "--families", "glm4v,qwen2"]))
         """
@@ -148,3 +149,31 @@ def test_check_shows_trls_unaveraged_lm_head_gradient_and_the_fix(python):
     assert row["unpatched"].startswith("runs, but the lm_head.weight gradient misses the data-parallel average by")
     assert float(row["unpatched"].rsplit(" ", 1)[1]) > 1e-3
     assert row["patched"] == "ok" and row["loss_match"] and row["fixed"]
+
+
+ACCELERATE = guards.installed_version("accelerate")
+
+
+@pytest.mark.skipif(not guards.in_range(ACCELERATE or "0", ">=1.14.0,<=1.15.0"),
+                    reason="accelerate's check rows need its tail unit (1.14.0-1.15.0)")
+def test_check_shows_accelerates_tail_unit_bugs_and_the_fix(python):
+    proc = python(
+        """
+        import sys
+        from fsdp2_compat.tooling import check
+        for name in ("selection_cases", "fused_cases", "trl_cases", "engine_cases"):
+            setattr(check, name, lambda families=None: [])
+        from fsdp2_compat.cli import main
+        sys.exit(main(["check", "--json", "--families", "qwen2_5_vl,qwen2"]))
+        """
+    )
+    report = json.loads(proc.stdout)
+    rows = {r["family"]: r for r in report["rows"] if r["framework"] == "accelerate"}
+    assert report["failed"] == 0 and set(rows) == {"qwen2_5_vl", "qwen2"}, report["rows"]
+    assert "aten.mm.default got mixed torch.Tensor and DTensor" in rows["qwen2_5_vl"]["unpatched"]
+    tied = rows["qwen2"]["unpatched"]
+    if guards.in_range(ACCELERATE, "==1.14.0"):
+        assert "already managed by another FSDP group" in tied, tied
+    else:
+        assert tied == "ok", tied  # 1.15.0 carries the tied fix: nobody is told they have this bug
+    assert all(r["patched"] == "ok" and r["loss_match"] and r["fixed"] for r in rows.values()), rows
