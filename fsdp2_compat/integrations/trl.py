@@ -60,11 +60,6 @@ the head through other functions (``_patch_chunked_ce_lm_head``,
 recorded below as ``unsupported``: a requested patch is refused there with a
 warning that says so, never silently "not needed".
 
-Stacks (docs/trl-stacks.md): the bug needs accelerate >= 1.14 and a base model without a direct norm child;
-transformers and torch do not change it.  Measured unpatched, untied Qwen3-VL SFT: off the DP average by 0.994
-on transformers 5.8.0 (torch 2.13.0) and 5.24.0 (torch 2.13.0 and 2.15.0); the text model exact on both
-(``tests/integrations/test_trl_stacks.py`` re-derives this on the installed stack).
-
 Upstream: no TRL or accelerate issue yet.  Delete when TRL reads the head
 through FSDP (e.g. ``lm_head.unshard()`` before the read) in every release you
 run, or accelerate never leaves a head alone in a unit whose forward does not
