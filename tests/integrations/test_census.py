@@ -78,8 +78,9 @@ def test_every_published_release_of_every_target_is_classified():
     with open(os.path.join(census.CACHE, "census.md"), "w", encoding="utf-8") as f:
         f.write(table + "\n")
     assert all(listed.values()), "a distribution with no releases: %s" % listed
-    problems = ["%s %s: %s (%s)" % (t.key, v, verdict, detail) for t, v, verdict, detail in rows if verdict in PROBLEMS]
-    assert not problems, "releases the catalogue does not classify:\n" + "\n".join(problems)
+    problems = ["- " + census.what_to_do(t, v, verdict, detail) for t, v, verdict, detail in rows if verdict in PROBLEMS]
+    assert not problems, "%d published release(s) the catalogue does not classify (new on the registry?):\n%s" % (
+        len(problems), "\n".join(problems))
     # Every target fits the code of at least one published release.
     covered = {t.key for t, _, verdict, _ in rows if verdict == "covered"}
     assert covered == {t.key for t in registry.targets()}, sorted({t.key for t in registry.targets()} - covered)

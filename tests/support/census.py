@@ -231,3 +231,44 @@ def classify(target, version, read):
                 label, fp, version)
     return "unclassified", "new code: fingerprint %s (recorded: %s)" % (
         fp, ", ".join("%s=%s" % kv for kv in target.fingerprints.items()))
+
+
+def defined_in(target):
+    """The repository path of the integration module that defines ``target`` (where a contributor edits it)."""
+    import importlib
+
+    from fsdp2_compat import integrations
+
+    for integration in integrations.INTEGRATIONS:
+        name = "fsdp2_compat.integrations." + {"torch": "torch_fsdp", "skyrl-train": "skyrl"}.get(
+            integration.dist, integration.dist)
+        module = importlib.import_module(name)
+        found = [v for value in vars(module).values() for v in (value if isinstance(value, tuple) else (value,))]
+        if any(getattr(v, "key", None) == target.key for v in found if isinstance(v, type(target))):
+            return name.replace(".", "/") + ".py"
+    return "fsdp2_compat/integrations/"
+
+
+def what_to_do(target, version, verdict, detail):
+    """One paragraph for a census problem: the release, the target, what was found and what a contributor does."""
+    where = defined_in(target)
+    head = "%s %s is not classified for target %s (%s, defined in %s): %s." % (
+        target.dist, version, target.key, target.what, where, detail)
+    if verdict == "mislabelled":
+        label = next((lb for lb, fp in target.fingerprints.items() if fp in detail), None)
+        first, last = _label_range(label) if label else ("?", "?")
+        action = ("Its code is byte-for-byte a recorded release's. If it was published after %s, widen that label: "
+                  "fingerprints={'%s-%s': ...} (the seam then applies there as 'applied, unproven' until a pinned "
+                  "set in .ci/sets runs it; widen versions= once it does)." % (last, first, version))
+    elif "is not in this release" in detail:
+        action = ("The module is gone or moved. Find where the code now lives: record a new Target (same seam if "
+                  "the code is the same), or declared={'>=%s': '<why nothing is to patch>'} if the bug went with "
+                  "it." % version)
+    else:
+        action = ("The function changed. Diff %s.%s between the newest recorded release and %s, then one of: the "
+                  "bug is still there and the seam still fits -> add the printed fingerprint under '%s' and prove "
+                  "it (a pinned set, the failing test unpatched and DP-exact patched); the bug is fixed -> "
+                  "fixed_in='>=%s'; the code has nothing to patch -> declared={...: reason}; the bug is there but "
+                  "the seam no longer fits -> unsupported={...: reason} (a requested patch is then refused loudly)."
+                  % (target.module, target.attr, version, version, version))
+    return head + " " + action

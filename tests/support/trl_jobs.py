@@ -106,7 +106,11 @@ def _sft_train_step(rank, world, family, bf16, accum, lr):
     batches = [tiny_models.make_batch(family, reference, seed=i, batch_size=2) for r in got for i in r]
     outs = [reference(**b, fused_lm_head=True) for b in batches]
     if trainer.model_accepts_loss_kwargs:  # num_items_in_batch: every rank's label count, x processes, averaged
-        loss = sum((-o.log_probs).sum() for o in outs) / sum(int(b["labels"].ne(-100).sum()) for b in batches)
+        # counted as the installed Trainer counts: transformers 5.24 counts the predicted labels (labels[..., 1:])
+        # when the model's loss shifts them (Trainer._loss_shifts_labels); 5.8 counts every label
+        shifted = getattr(trainer, "_loss_shifts_labels", False)
+        count = sum(int((b["labels"][..., 1:] if shifted else b["labels"]).ne(-100).sum()) for b in batches)
+        loss = sum((-o.log_probs).sum() for o in outs) / count
     else:
         loss = sum((-o.log_probs).sum() / o.label_mask.sum() for o in outs) / len(outs)
     loss.backward()
