@@ -9,13 +9,15 @@ the tooling and the tests read.
 
 Adding a framework is one module here plus its targets in the registry.
 torch itself is an integration too (``torch_fsdp``: fixes inside FSDP2), but
-not a framework: it has no ``wrap_module`` (``wrapping()`` lists those that have one).
+not a framework: it has no ``wrap_module`` (``wrapping()`` lists those that have one); so is
+transformers (``transformers_media``: the model forwards that skip a vision tower).
 """
 
-from . import areal, llamafactory, skyrl, torch_fsdp, trl, verl
+from . import areal, llamafactory, skyrl, torch_fsdp, transformers_media, trl, verl
 
 INTEGRATIONS = (verl.INTEGRATION, skyrl.SKYRL_INTEGRATION, skyrl.SKYRL_TRAIN_INTEGRATION, areal.INTEGRATION,
-                llamafactory.INTEGRATION, trl.INTEGRATION, torch_fsdp.INTEGRATION)
+                llamafactory.INTEGRATION, trl.INTEGRATION, torch_fsdp.INTEGRATION,
+                transformers_media.INTEGRATION)
 
 _BY_DIST = {i.dist: i for i in INTEGRATIONS}
 

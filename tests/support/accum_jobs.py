@@ -45,6 +45,11 @@ def _test_patches():
         # Qwen3-VL's patch without LLaMA-Factory's layer-class lookup (what that target is for)
         patch("t-qwen3vl-without-lookup", tuple(t for t in registry.patch("qwen3vl").targets
                                                 if t not in registry.LF_LAYER_LOOKUP)),
+    ) + tuple(
+        # each family patch without its mixed text/image ranks targets (tests/integrations/test_mixed_ranks.py)
+        patch("t-%s-without-mixed" % name, tuple(t for t in registry.patch(name).targets
+                                                 if t not in registry.MIXED_MEDIA))
+        for name in ("glm4v", "qwen3vl", "qwen2vl", "qwen35")
     )
 
 
@@ -55,6 +60,12 @@ def register_test_patches():
     for p in _test_patches():
         if p.name not in registry.names():
             registry.register(p)
+
+
+def rank_kinds(step, rank):
+    """The micro-batch kinds of ``rank`` in one step: ``step`` is one sequence for every rank
+    (``("text", "image")``) or one per rank (``(("image",), ("text",))``: mixed across ranks)."""
+    return step[rank] if step and isinstance(step[0], (tuple, list)) else step
 
 
 def text_only(batch, seed):
@@ -228,7 +239,7 @@ def _one_case(rank, world, framework, family, fused, patches, policy, sync, step
     import copy
 
     import fsdp2_compat
-    from fsdp2_compat.fixes import gather
+    from fsdp2_compat.fixes import gather, mixed_media
     from fsdp2_compat.tooling import scenarios
 
     if patches:
@@ -246,6 +257,7 @@ def _one_case(rank, world, framework, family, fused, patches, policy, sync, step
               "losses": [], "loss_err": 0.0, "grad_err": 0.0, "worst_grad": None, "param_err": 0.0, "grads_checked": 0, "lm_head_grad_err": 0.0,
               "never_gathered_after_first": None, "grads": [], "lm_head_sharded_after_backward": []}
     releases_before = gather.STATS["early_releases"]
+    dummies_before = mixed_media.STATS["dummy_forwards"]
     lm_head = getattr(model, "lm_head", None)
     lm_group = gather._owning(lm_head, lm_head.weight)[0] if lm_head is not None and hasattr(
         lm_head, "_get_fsdp_state") else None
@@ -280,9 +292,8 @@ def _one_case(rank, world, framework, family, fused, patches, policy, sync, step
         return loss, None
 
     def batches_for(step):
-        kinds = steps[step]
         return [[_micro_batch(family, reference, 1 + 100 * step + 10 * mb + r, kind, fused)
-                 for mb, kind in enumerate(kinds)] for r in range(world)]
+                 for mb, kind in enumerate(rank_kinds(steps[step], r))] for r in range(world)]
 
     def snapshot(_out, _ref_out):
         after_backward()  # the step's last micro-batch (train_against_reference backpropagated it)
@@ -297,6 +308,7 @@ def _one_case(rank, world, framework, family, fused, patches, policy, sync, step
         if chunked:
             model_class.forward = saved_forward
     result["early_releases"] = gather.STATS["early_releases"] - releases_before
+    result["dummy_forwards"] = mixed_media.STATS["dummy_forwards"] - dummies_before
     return result
 
 
@@ -308,7 +320,8 @@ def accumulation_cases(rank, world, framework, family, cases, pairs=(), fused=Fa
     None; ``policy``: "bf16" (bf16 params, fp32 reduce) or "fp32", given to the
     framework its own way (``frameworks.shard``), and for accelerate also
     "bf16-reduce" (its own bf16 policy, ``trl_scenarios``); ``steps``:
-    "mixed" (``STEPS``) or "text" (``TEXT_STEPS``).  For each ``(a, b)`` of
+    "mixed" (``STEPS``), "text" (``TEXT_STEPS``) or the steps themselves,
+    per rank where they differ across ranks (``rank_kinds``).  For each ``(a, b)`` of
     ``pairs``, ``"a vs b"`` is the worst ``max |a-b|/(1+|b|)`` between the
     gradients of the two cases, step by step (e.g. deferred vs every-micro-batch
     sync of the same model and data).
@@ -320,8 +333,8 @@ def accumulation_cases(rank, world, framework, family, cases, pairs=(), fused=Fa
     out = {}
     for name, patches, policy, sync, steps in cases:
         try:
-            out[name] = _one_case(rank, world, framework, family, fused, patches, policy, sync,
-                                  STEPS if steps == "mixed" else TEXT_STEPS, chunked)
+            kinds = {"mixed": STEPS, "text": TEXT_STEPS}.get(steps, steps)
+            out[name] = _one_case(rank, world, framework, family, fused, patches, policy, sync, kinds, chunked)
         except Exception as exc:  # a harness failure, not a training failure: report, go on
             out[name] = {"error": "harness: %s: %s" % (type(exc).__name__, first_line(exc)), "grads": []}
         finally:

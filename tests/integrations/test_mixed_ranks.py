@@ -1,0 +1,168 @@
+"""Mixed text/image micro-batches across ranks (issue #20): proven on real FSDP2, 2 CPU gloo ranks.
+
+One rank's micro-batch has an image, the other's is text-only, then the reverse
+(``STEPS``), through each framework's own wrapping (``accum_jobs._prepare``:
+verl's and SkyRL's ``apply_fsdp2``, AReaL's ``parallelize_model``,
+LLaMA-Factory's ``FSDP2Engine.prepare_model``, accelerate's
+``Accelerator.prepare`` with an FSDP2 plugin as TRL's trainers and the HF
+``Trainer`` use it; on CPU accelerate never selects FSDP, ``trl_scenarios.cpu_fsdp``
+sets it as its GPU branch would, nothing else).  Plain transformers forwards.
+
+- Unpatched (the family's patch without its mixed-ranks targets: the other
+  fixes do not help), the text-only rank skips the vision units' collectives
+  and gloo reports the mismatch (it aborts that rank; its stderr is kept,
+  ``support.mixed_jobs``), under a 20 s process-group timeout for the other
+  rank (never a real hang).
+- Patched, both steps complete and every gradient equals the unsharded
+  reference trained on the data-parallel average (fp32 1e-5), with the sync on
+  every micro-batch and with it deferred over 2 micro-batches (bf16 params /
+  fp32 reduce too: the accumulation fix of ``fixes/accumulation.py`` and this
+  one together).
+- verl's own forwards (``apply_monkey_patch``, fused kernels, torch backend)
+  run their own dummy vision forward: exact without this fix, and with it the
+  wrapper never runs (verl replaced the class's ``forward``): no second dummy.
+"""
+
+import os
+import tempfile
+
+import pytest
+
+pytest.importorskip("torch", reason="needs torch (real FSDP2 on CPU gloo)")
+pytest.importorskip("transformers", reason="needs transformers (tiny models)")
+
+from fsdp2_compat import integrations, registry  # noqa: E402
+from fsdp2_compat.core import guards  # noqa: E402
+from fsdp2_compat.tooling.ranks import RankError, run_ranks  # noqa: E402
+from support import accum_jobs, mixed_jobs  # noqa: E402
+
+DEPENDS_ON = ("torch", "transformers", "{framework}")
+
+TOL = 1e-5
+BF16_GRAD, BF16_REL_TO_MAX = 1e-2, 6e-2
+PG_TIMEOUT = 20
+# rank 0 image / rank 1 text-only, then the reverse; with accumulation, each rank mixes too
+STEPS = ((("image",), ("text",)), (("text",), ("image",)))
+ACCUM_STEPS = ((("image", "text"), ("text", "text")), (("text", "image"), ("image", "text")))
+MISMATCH = "Received data size doesn't match expected size. Is there a distributed collective mismatch"
+
+FAMILIES = ("qwen2_5_vl", "qwen3_vl", "glm4v")
+USER_PATCH = {f: registry.for_model_type(f).name for f in FAMILIES}
+ACCELERATE = "accelerate"
+TRL = guards.installed_version("trl")
+
+
+def _params():
+    from fsdp2_compat.tooling import tiny
+
+    wrappers = [(i.dist, None if guards.installed_version(i.dist) else "%s not in this pinned set" % i.dist)
+                for i in integrations.wrapping()]
+    wrappers.append((ACCELERATE, None if TRL else "trl not in this pinned set (accelerate's FSDP2 preparation "
+                     "is proven as TRL's trainers use it)"))
+    out = []
+    for framework, missing in wrappers:
+        for family in FAMILIES:
+            reason = missing
+            if reason is None and tiny.wrappable(family) is not True:
+                reason = str(tiny.wrappable(family))
+            if reason is None and USER_PATCH[family] is None:
+                reason = "no patch for %s" % family
+            marks = [pytest.mark.xdist_group("mixed-%s-%s" % (framework, family))]
+            if reason:
+                marks.append(pytest.mark.skip(reason=reason))
+            out.append(pytest.param(framework, family, marks=marks, id="%s-%s" % (framework, family)))
+    return out
+
+
+PARAMS = _params()
+_RESULTS = {}
+
+
+def _patched(framework, family):
+    key = ("patched", framework, family)
+    if key not in _RESULTS:
+        patch = [USER_PATCH[family]]
+        cases = [("fp32 every", patch, "fp32", "every", STEPS),
+                 ("fp32 deferred", patch, "fp32", "deferred", ACCUM_STEPS),
+                 ("bf16 deferred", patch, "bf16", "deferred", ACCUM_STEPS)]
+        _RESULTS[key] = run_ranks(accum_jobs.accumulation_cases, 2, framework, family, cases, timeout=240)
+    return _RESULTS[key]
+
+
+def _unpatched(framework, family):
+    """The family's patch without its mixed-ranks targets, under a short process-group timeout.
+
+    ``[(what each rank returned or died of, its stderr)]``: gloo aborts the rank that sees the mismatch.
+    """
+    key = ("unpatched", framework, family)
+    if key not in _RESULTS:
+        cases = [("unpatched", ["t-%s-without-mixed" % USER_PATCH[family]], "fp32", "every", STEPS)]
+        with tempfile.TemporaryDirectory(prefix="mixed_ranks_") as tmp:
+            try:
+                got = run_ranks(mixed_jobs.with_stderr_file, 2, tmp, framework, family, cases,
+                                timeout=PG_TIMEOUT + 60, retries=0, pg_timeout=PG_TIMEOUT)
+                outcomes = [r["unpatched"]["error"] for r in got]
+            except RankError as exc:
+                outcomes = [exc.errors.get(rank, ("reported nothing else", ""))[0] for rank in range(2)]
+            stderr = []
+            for rank in range(2):
+                path = os.path.join(tmp, "rank%d.err" % rank)
+                stderr.append(open(path, encoding="utf-8", errors="replace").read() if os.path.exists(path) else "")
+        _RESULTS[key] = list(zip(outcomes, stderr))
+    return _RESULTS[key]
+
+
+def _close(r, policy, where):
+    assert r["error"] is None, "%s: %s" % (where, r["error"])
+    assert r["grads_checked"] > 0, where
+    if policy == "fp32":
+        assert r["loss_err"] < TOL and r["param_err"] < TOL, (where, r)
+        assert r["grad_err"] < TOL, "%s: worst gradient %s %.2e" % (where, r["worst_grad"], r["grad_err"])
+    else:
+        assert r["grad_err"] < BF16_GRAD, "%s: worst gradient %s %.2e" % (where, r["worst_grad"], r["grad_err"])
+        assert r["grad_rel_to_max"] < BF16_REL_TO_MAX, (where, r["worst_rel_to_max"], r["grad_rel_to_max"])
+
+
+@pytest.mark.parametrize("framework,family", PARAMS)
+def test_unpatched_a_text_only_rank_breaks_the_vision_units_collectives(framework, family):
+    ranks = _unpatched(framework, family)
+    # gloo sees the first mismatched collective at once (the text-only rank's next all-gather is a
+    # text unit's, the image rank's a vision unit's): that rank aborts, the other one fails or times out
+    assert any(MISMATCH in outcome or MISMATCH in stderr for outcome, stderr in ranks), ranks
+    assert not any(outcome is None for outcome, _ in ranks), ranks  # no rank trained through it
+
+
+@pytest.mark.parametrize("framework,family", PARAMS)
+@pytest.mark.parametrize("case", ["fp32 every", "fp32 deferred", "bf16 deferred"])
+def test_patched_mixed_ranks_train_to_the_dp_average(framework, family, case):
+    results = _patched(framework, family)
+    for rank, r in enumerate(results):
+        _close(r[case], case.split()[0], "%s %s %s rank %d" % (framework, family, case, rank))
+    # the text-only rank ran the dummy vision forward, once per text-only micro-batch; the image rank never
+    text_micro_batches = [sum(k == "text" for step in (STEPS if case.endswith("every") else ACCUM_STEPS)
+                              for k in step[rank]) for rank in range(2)]
+    assert [r[case]["dummy_forwards"] for r in results] == text_micro_batches, results
+    assert results[0][case]["losses"] != results[1][case]["losses"], "same data on both ranks"
+
+
+# ---------------------------------------------------------------------------
+# verl's own forwards: its dummy, not ours
+
+VERL = guards.installed_version("verl")
+VERL_FAMILIES = ("qwen2_5_vl", "qwen3_vl")  # verl's GLM4V dummy hard-codes 1176-wide patches (real GLM-4.1V only)
+
+
+@pytest.mark.skipif(not VERL or not guards.in_range(VERL, ">=0.7.1"),
+                    reason="verl %s: the fused-forward runs need verl >= 0.7.1 (lm_head its own unit)" % VERL)
+@pytest.mark.parametrize("framework", ["verl"])
+@pytest.mark.parametrize("family", VERL_FAMILIES)
+def test_verl_own_forwards_need_nothing_and_get_no_second_dummy(framework, family):
+    patch = USER_PATCH[family]
+    cases = [("with", [patch], "fp32", "every", STEPS),
+             ("without", ["t-%s-without-mixed" % patch], "fp32", "every", STEPS)]
+    results = run_ranks(accum_jobs.accumulation_cases, 2, framework, family, cases, kwargs={"fused": True},
+                        timeout=240)
+    for rank, r in enumerate(results):
+        for name in ("with", "without"):
+            _close(r[name], "fp32", "verl own forward %s %s rank %d" % (family, name, rank))
+            assert r[name]["dummy_forwards"] == 0, r[name]  # verl's forward replaced the class's: ours never ran
