@@ -115,7 +115,8 @@ PATCHES = (
         summary="verl fused kernels: `aten.mm.default` mixed Tensor/DTensor (the sharded `lm_head.weight` is read "
         "raw); " + _TRL_SYMPTOM + _LF_SYMPTOM + _ACCUM_SYMPTOM + _MIXED_SYMPTOM,
         model_types={"qwen2_vl": "Qwen2-VL", "qwen2_5_vl": "Qwen2.5-VL"},
-        targets=verl.QWEN2_VL_FUSED + TRL + LF_LAYER_LOOKUP + GRAD_ACCUMULATION + transformers_media.QWEN2_VL,
+        targets=(verl.QWEN2_VL_FUSED + TRL + LF_LAYER_LOOKUP + GRAD_ACCUMULATION + transformers_media.QWEN2_VL
+                 + verl.QWEN2_VL_FORWARD),
         references=_LM_HEAD_REFS + _LF_REFS + _ACCUM_REFS + _MIXED_REFS,
         delete_when=(_LM_HEAD_DELETE + "; and " + _TRL_DELETE + "; and " + _LF_DELETE + "; and "
                      + _ACCUM_DELETE + "; and " + _MIXED_DELETE),

@@ -11,10 +11,24 @@ import os
 
 
 def with_stderr_file(rank, world, directory, *args, **kwargs):
-    """``accum_jobs.accumulation_cases(rank, world, *args)`` with this rank's fd 2 in ``directory/rank<N>.err``."""
-    from support import accum_jobs
-
+    """``per_family(rank, world, *args)`` with this rank's fd 2 in ``directory/rank<N>.err``."""
     fd = os.open(os.path.join(directory, "rank%d.err" % rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 2)
     os.close(fd)
-    return accum_jobs.accumulation_cases(rank, world, *args, **kwargs)
+    return per_family(rank, world, *args, **kwargs)
+
+
+def per_family(rank, world, framework, families, cases, **kwargs):
+    """``{family: accum_jobs.accumulation_cases(...)}``: every family in one pair of rank processes
+    (the framework is imported once).  In ``cases``, the patches ``"user"`` are the family's catalogue
+    patch and ``"user-without-mixed"`` that patch without its mixed-ranks targets."""
+    from fsdp2_compat import registry
+    from support import accum_jobs
+
+    out = {}
+    for family in families:
+        name = registry.for_model_type(family).name
+        named = {"user": [name], "user-without-mixed": ["t-%s-without-mixed" % name]}
+        out[family] = accum_jobs.accumulation_cases(
+            rank, world, framework, family, [(n, named.get(p, p), *rest) for n, p, *rest in cases], **kwargs)
+    return out
