@@ -177,3 +177,20 @@ def test_verl_own_forwards_need_nothing_and_get_no_second_dummy(framework, famil
         for name in ("with", "without"):
             _close(r[name], "fp32", "verl own forward %s %s rank %d" % (family, name, rank))
             assert r[name]["dummy_forwards"] == 0, r[name]  # verl's forward replaced the class's: ours never ran
+
+
+@pytest.mark.skipif(not VERL or not guards.in_range(VERL, ">=0.8.0.dev0"),
+                    reason="verl %s: the Qwen2-VL forward with a text-only dummy runs on transformers 5.x from 0.8.0"
+                    % VERL)
+@pytest.mark.skipif(not guards.in_range(guards.installed_version("transformers"), ">=5.0.0"),
+                    reason="transformers < 5.0.0: the vision tower returns the tensor verl's dummy expects")
+def test_verl_own_qwen2_vl_forward_fails_every_text_only_micro_batch_without_its_fix():
+    """verl's own dummy calls ``.mean()`` on the vision output, an object from transformers 5.0.0:
+    one rank, one text-only micro-batch (no FSDP2 needed to see it); the qwen2vl patch carries the fix."""
+    cases = [("bare", ["t-qwen2vl-without-verl-forward"], "fp32", "every", ((("text",),),)),
+             ("fixed", ["t-qwen2vl-without-mixed"], "fp32", "every", ((("text",),),))]
+    (r,) = run_ranks(accum_jobs.accumulation_cases, 1, "verl", "qwen2_5_vl", cases, kwargs={"fused": True})
+    assert r["bare"]["error"] == ("step 0: AttributeError: 'BaseModelOutputWithPooling' object has no attribute "
+                                  "'mean'"), r["bare"]
+    _close(r["fixed"], "fp32", "verl own Qwen2.5-VL forward, text-only, with the vision-output fix")
+

@@ -30,7 +30,7 @@ TEXT_STEPS = (("text", "text"), ("text", "text", "text"))
 def _test_patches():
     from fsdp2_compat import registry
     from fsdp2_compat.core.records import Patch
-    from fsdp2_compat.integrations import torch_fsdp
+    from fsdp2_compat.integrations import torch_fsdp, verl
 
     def patch(name, targets):
         return Patch(name, "test only", {}, targets, ("test",), "never")
@@ -50,6 +50,10 @@ def _test_patches():
         patch("t-%s-without-mixed" % name, tuple(t for t in registry.patch(name).targets
                                                  if t not in registry.MIXED_MEDIA))
         for name in ("glm4v", "qwen3vl", "qwen2vl", "qwen35")
+    ) + (
+        # ... and without the fix of verl's own Qwen2-VL text-only dummy (verl.QWEN2_VL_FORWARD)
+        patch("t-qwen2vl-without-verl-forward", tuple(t for t in registry.patch("qwen2vl").targets
+                                                      if t not in registry.MIXED_MEDIA + verl.QWEN2_VL_FORWARD)),
     )
 
 
