@@ -49,26 +49,13 @@ pytestmark = pytest.mark.skipif(
     reason="torch %s: the FSDP2 accumulation bugs are in 2.7.0-2.14.1 (2.15.0 rewrote accumulation)" % TORCH,
 )
 
-TOL = 1e-5
-# bf16 params against an fp32 reference, two steps (as tests/integrations/test_fused_forwards.py)
-BF16_GRAD, BF16_REL_TO_MAX = 1e-2, 6e-2
+TOL, BF16_GRAD = accum_jobs.TOL, accum_jobs.BF16_GRAD
+_close = accum_jobs.assert_close
 ATTRIBUTE_ERROR = "AttributeError: 'FSDPParam' object has no attribute '_unsharded_param'"
 MIXED_DTYPES = re.compile(
     r"AssertionError: FSDP reduce-scatter expects uniform gradient dtype but got "
     r"\{torch\.(bfloat16|float32), torch\.(float32|bfloat16)\}$"
 )
-
-
-def _close(r, policy, where):
-    assert r["error"] is None, "%s: %s" % (where, r["error"])
-    assert r["grads_checked"] > 0, where
-    if policy == "fp32":
-        assert r["loss_err"] < TOL and r["param_err"] < TOL, (where, r)
-        assert r["grad_err"] < TOL, "%s: worst gradient %s %.2e" % (where, r["worst_grad"], r["grad_err"])
-    else:
-        assert r["grad_err"] < BF16_GRAD, "%s: worst gradient %s %.2e" % (where, r["worst_grad"], r["grad_err"])
-        assert r["grad_rel_to_max"] < BF16_REL_TO_MAX, (where, r["worst_rel_to_max"], r["grad_rel_to_max"])
-        assert r["lm_head_grad_err"] < BF16_GRAD, (where, r["lm_head_grad_err"])
 
 
 # ---------------------------------------------------------------------------

@@ -66,6 +66,24 @@ def register_test_patches():
             registry.register(p)
 
 
+TOL = 1e-5
+# bf16 params against an fp32 reference, two steps (as tests/integrations/test_fused_forwards.py)
+BF16_GRAD, BF16_REL_TO_MAX = 1e-2, 6e-2
+
+
+def assert_close(r, policy, where):
+    """A case's result matches the data-parallel reference: fp32 to ``TOL``, bf16 within bf16 tolerance."""
+    assert r["error"] is None, "%s: %s" % (where, r["error"])
+    assert r["grads_checked"] > 0, where
+    if policy == "fp32":
+        assert r["loss_err"] < TOL and r["param_err"] < TOL, (where, r)
+        assert r["grad_err"] < TOL, "%s: worst gradient %s %.2e" % (where, r["worst_grad"], r["grad_err"])
+    else:
+        assert r["grad_err"] < BF16_GRAD, "%s: worst gradient %s %.2e" % (where, r["worst_grad"], r["grad_err"])
+        assert r["grad_rel_to_max"] < BF16_REL_TO_MAX, (where, r["worst_rel_to_max"], r["grad_rel_to_max"])
+        assert r["lm_head_grad_err"] < BF16_GRAD, (where, r["lm_head_grad_err"])
+
+
 def rank_kinds(step, rank):
     """The micro-batch kinds of ``rank`` in one step: ``step`` is one sequence for every rank
     (``("text", "image")``) or one per rank (``(("image",), ("text",))``: mixed across ranks)."""
