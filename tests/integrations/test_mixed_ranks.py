@@ -183,3 +183,30 @@ def test_verl_own_qwen2_vl_forward_fails_every_text_only_micro_batch_without_its
                                   "'mean'"), r["bare"]
     _close(r["fixed"], "fp32", "verl own Qwen2.5-VL forward, text-only, with the vision-output fix")
 
+
+
+def test_one_process_gets_no_dummy_and_status_says_why():
+    """No process group (or one rank): the wrapper is applied but runs transformers' forward untouched."""
+    import fsdp2_compat
+    from fsdp2_compat.core import engine
+    from fsdp2_compat.fixes import mixed_media
+    from fsdp2_compat.tooling import tiny
+
+    fsdp2_compat.apply("qwen2vl")
+    model = tiny.build("qwen2_5_vl")
+    (target,) = [t for t in registry.MIXED_MEDIA if t.attr == "Qwen2_5_VLModel.forward"]
+    assert target in registry.patch("qwen2vl").targets
+    outcome = dict((o.target.key, o) for _, o in engine.outcomes(["qwen2vl"]))[target.key]
+    installed = guards.installed_version("transformers")
+    if not guards.in_range(installed, ">=4.57.0,<5.24.0"):
+        assert outcome.kind != engine.APPLIED, outcome.as_dict()
+        return
+    assert outcome.kind == engine.APPLIED, outcome.as_dict()
+    assert mixed_media.needed_for(model.model) == (
+        False, "torch.distributed is not initialised with more than one rank")
+    batch = accum_jobs.text_only(tiny.make_batch("qwen2_5_vl", model, seed=1), seed=2)
+    before = mixed_media.STATS["dummy_forwards"]
+    model(**batch).loss.backward()
+    assert mixed_media.STATS["dummy_forwards"] == before
+    assert all(p.grad is None for p in model.model.visual.parameters())  # the tower did not run
+    assert mixed_media.unknown_tower(tiny.build("qwen2")) == "it has no `visual` tower"
