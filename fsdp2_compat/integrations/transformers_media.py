@@ -17,7 +17,8 @@ Releases (every published transformers release was read, see ``FORWARD_FINGERPRI
   5.24.0 on (the forward takes a ``cache`` and precomputed ``mm_encoder_outputs``,
   a contract this seam does not know yet).
 Proven on real FSDP2 (tests/integrations/test_mixed_ranks.py) on the pinned
-releases in ``PROVEN``; identical code elsewhere applies with a note.
+releases in ``PROVEN`` for the families with a tiny model; identical code
+elsewhere applies with a note.
 
 Upstream: TRL issue #3934, miles #2406, torchtitan #4777 (the hang); handled in
 verl's own forwards, LLaMA-Factory's v0 collator (#6233), prime-rl #1959,
@@ -30,7 +31,14 @@ from ..core.records import Integration, Target
 # transformers wraps nothing and is not a framework: it holds the forwards the patch wraps.
 INTEGRATION = Integration(dist="transformers", package="transformers", wrap_module=None)
 
-PROVEN = "==5.8.0"
+# Proven on real FSDP2 (tests/integrations/test_mixed_ranks.py) with 5.3.0 and 5.8.0 (5.4.0-5.8.1 share
+# 5.8.0's code) for the families with a tiny model there; 4.57.6 (tf4) passes the same tests, outside this
+# one specifier (it applies with the "not in the proven range" note).  Families without a tiny model
+# here (Qwen2-VL, Qwen3-VL-MoE, GLM-4.5V, GLM-4.6V, Qwen3.5-MoE) have no proven range: their
+# fingerprinted code applies with that note.
+PROVEN = ">=5.3.0,<=5.8.1"
+UNPROVEN = "<0"  # no release
+_TESTED = ("qwen2_5_vl", "qwen3_vl", "glm4v", "qwen3_5")
 _SEAM = "fsdp2_compat.fixes.mixed_media:forward_seam"
 _WHAT = "vision tower skipped on a text-only micro-batch (%s)"
 _NEWER = (">=5.24.0", "the forward takes `cache` and precomputed `mm_encoder_outputs` (media that need no tower "
@@ -177,7 +185,7 @@ def _target(family):
         dist="transformers",
         module="transformers.models.%s.modeling_%s" % (family, family),
         attr=cls + ".forward",
-        versions=PROVEN,
+        versions=PROVEN if family in _TESTED else UNPROVEN,
         fingerprints=FORWARD_FINGERPRINTS[family],
         seam=_SEAM,
         what=_WHAT % family,

@@ -45,7 +45,7 @@ STEPS = ((("image",), ("text",)), (("text",), ("image",)))
 ACCUM_STEPS = ((("image", "text"), ("text", "image")),)  # the first micro-batch deferred, the second synced
 MISMATCH = "Received data size doesn't match expected size. Is there a distributed collective mismatch"
 
-FAMILIES = ("qwen2_5_vl", "qwen3_vl", "glm4v")
+FAMILIES = ("qwen2_5_vl", "qwen3_vl", "glm4v", "qwen3_5")  # qwen3_5: accum_jobs.tiny_qwen3_5 (test-only)
 USER_PATCH = {f: registry.for_model_type(f).name for f in FAMILIES}
 PATCHED_CASES = ("fp32 every", "fp32 deferred", "bf16 deferred")
 ACCELERATE = "accelerate"
@@ -53,6 +53,8 @@ TRL = guards.installed_version("trl")
 
 
 def _params():
+    import transformers
+
     from fsdp2_compat.tooling import tiny
 
     wrappers = [(i.dist, None if guards.installed_version(i.dist) else "%s not in this pinned set" % i.dist)
@@ -63,7 +65,10 @@ def _params():
     for framework, missing in wrappers:
         for family in FAMILIES:
             reason = missing
-            if reason is None and tiny.wrappable(family) is not True:
+            if reason is None and family == "qwen3_5":
+                if not hasattr(transformers, "Qwen3_5ForConditionalGeneration"):
+                    reason = "transformers %s has no Qwen3.5" % transformers.__version__
+            elif reason is None and tiny.wrappable(family) is not True:
                 reason = str(tiny.wrappable(family))
             if reason is None and USER_PATCH[family] is None:
                 reason = "no patch for %s" % family

@@ -240,8 +240,8 @@ def _micro_batch(family, reference, seed, kind, fused):
     from fsdp2_compat.tooling import tiny
     from fsdp2_compat.tooling.verl_batches import add_verl_position_ids
 
-    if family == "qwen3_5":  # text-only micro-batches, as in verl issue #7520
-        batch = tiny.make_batch("qwen2", reference, seed=seed)
+    if family == "qwen3_5":  # text-only micro-batches, as in verl issue #7520; images as Qwen3-VL's
+        batch = tiny.make_batch("qwen3_vl" if kind == "image" else "qwen2", reference, seed=seed)
         batch["use_cache"] = False
     else:
         batch = tiny.make_batch(family, reference, seed=seed)
