@@ -215,3 +215,29 @@ def test_one_process_gets_no_dummy_and_status_says_why():
     assert mixed_media.STATS["dummy_forwards"] == before
     assert all(p.grad is None for p in model.model.visual.parameters())  # the tower did not run
     assert mixed_media.unknown_tower(tiny.build("qwen2")) == "it has no `visual` tower"
+
+
+@pytest.mark.skipif(not VERL or not guards.in_range(VERL, ">=0.6.0"),
+                    reason="verl %s: its own Qwen2-VL forward with the text-only dummy is 0.6.0+" % VERL)
+def test_status_says_not_needed_where_verl_installed_its_own_forward(python):
+    """verl's ``apply_monkey_patch`` assigns its own ``Qwen2_5_VLModel.forward`` over ours: status says that code
+    runs instead ("not needed": it runs its own dummy, proven above), never "applied"."""
+    out = python("""
+        import fsdp2_compat
+        fsdp2_compat.apply("qwen2vl")
+        from fsdp2_compat.tooling import tiny
+        from verl.models.transformers.monkey_patch import apply_monkey_patch
+        model = tiny.build("qwen2_5_vl")
+        def row():
+            return [r for r in fsdp2_compat.status(["qwen2vl"]) if r["target"].endswith("Qwen2_5_VLModel.forward")][0]
+        print("before", row()["outcome"])
+        apply_monkey_patch(model, use_remove_padding=False)
+        r = row()
+        print("after", r["outcome"], "|", r["detail"])
+    """).stdout
+    lines = {line.split(" ", 1)[0]: line.split(" ", 1)[1] for line in out.splitlines() if line.startswith(("before", "after"))}
+    if not guards.in_range(guards.installed_version("transformers"), ">=4.57.0,<5.24.0"):
+        pytest.skip("transformers %s: the target does not apply here" % guards.installed_version("transformers"))
+    assert lines["before"] == "applied", out
+    assert lines["after"] == ("not needed | Qwen2_5_VLModel.forward was replaced after the patch by "
+                              "verl.models.transformers.qwen2_vl.qwen2_vl_base_forward, which runs instead"), out
