@@ -244,7 +244,11 @@ def _forward(wrapped, instance, args, kwargs):
     given = bound.arguments
     extra = given.get("kwargs") or {}
     media = any(given.get(n, extra.get(n)) is not None for n in MEDIA_INPUTS)
-    if media or _decoding(given.get("past_key_values", extra.get("past_key_values"))):
+    # transformers 5.24+: features computed before the call (the tower ran elsewhere: nothing to align here)
+    media = media or bool(given.get("mm_encoder_outputs", extra.get("mm_encoder_outputs")))
+    cache = next((given.get(n, extra.get(n)) for n in ("past_key_values", "cache")
+                  if given.get(n, extra.get(n)) is not None), None)  # "cache" from transformers 5.24
+    if media or _decoding(cache):
         return wrapped(*args, **kwargs)
     why = unknown_tower(model)
     if why:

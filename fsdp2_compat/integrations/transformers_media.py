@@ -7,15 +7,16 @@ that runs the token embedding, then the vision tower when it is given
 ``fsdp2_compat.fixes.mixed_media`` (why this seam, the mechanism, how it fails safe).
 
 Releases (every published transformers release was read, see ``FORWARD_FINGERPRINTS``):
-- fingerprinted: 4.57.0-5.23.0, each release's code of the forward, where it
-  was checked to call the token embedding before the tower, to take the media
-  as ``pixel_values`` / ``pixel_values_videos`` and to have
-  ``get_image_features(pixel_values, image_grid_thw)`` on the same class;
+- fingerprinted: 4.57.0-5.24.0 (the newest), each release's code of the
+  forward, where it was checked to call the token embedding before the tower,
+  to take the media as ``pixel_values`` / ``pixel_values_videos`` and to have
+  ``get_image_features(pixel_values, image_grid_thw)`` on the same class
+  (5.24.0 also takes precomputed ``mm_encoder_outputs``: media, no dummy; and
+  calls its cache ``cache``);
 - declared: releases without the family's module;
 - unsupported (the bug is there, the patch refuses loudly): the releases between
-  the family's first one and 4.57.0 (older code, not read for this fix), and
-  5.24.0 on (the forward takes a ``cache`` and precomputed ``mm_encoder_outputs``,
-  a contract this seam does not know yet).
+  the family's first one and 4.57.0 (older code, not read for this fix).
+Later releases are unknown code until fingerprinted: refused with a warning.
 Proven on real FSDP2 (tests/integrations/test_mixed_ranks.py) on the pinned
 releases in ``PROVEN`` for the families with a tiny model; identical code
 elsewhere applies with a note.
@@ -41,8 +42,6 @@ UNPROVEN = "<0"  # no release
 _TESTED = ("qwen2_5_vl", "qwen3_vl", "glm4v", "qwen3_5")
 _SEAM = "fsdp2_compat.fixes.mixed_media:forward_seam"
 _WHAT = "vision tower skipped on a text-only micro-batch (%s)"
-_NEWER = (">=5.24.0", "the forward takes `cache` and precomputed `mm_encoder_outputs` (media that need no tower "
-                      "call here): a contract the mixed-ranks seam does not know yet")
 
 # family -> (base model class, first release with the module)
 FAMILIES = {
@@ -57,7 +56,7 @@ FAMILIES = {
     "qwen3_5_moe": ("Qwen3_5MoeModel", "5.2.0"),
 }
 
-# family -> {release label: fingerprint of <Family>Model.forward}, read from every wheel 4.57.0-5.23.0
+# family -> {release label: fingerprint of <Family>Model.forward}, read from every wheel 4.57.0-5.24.0
 FORWARD_FINGERPRINTS = {
     "qwen2_vl": {
         "4.57.0-5.0.0rc0": "6ff9c468bc6f2503",
@@ -72,6 +71,7 @@ FORWARD_FINGERPRINTS = {
         "5.15.0-5.17.0": "a8da1c1ae13f33ab",
         "5.18.0-5.22.2": "44255a1e6513e4ac",
         "5.23.0": "2ef1a7a1dbb97733",
+        "5.24.0": "f85545d9fc31e17c",
     },
     "qwen2_5_vl": {
         "4.57.0-4.57.6": "bd96bbc289d3e759",
@@ -87,6 +87,7 @@ FORWARD_FINGERPRINTS = {
         "5.15.0-5.17.0": "adb6fdf588c567c6",
         "5.18.0-5.22.2": "1aff4141ece9358e",
         "5.23.0": "a5c0acca6d58e97d",
+        "5.24.0": "c1e21caf227dab30",
     },
     "qwen3_vl": {
         "4.57.0-4.57.1": "2982eaec381205f0",
@@ -101,6 +102,7 @@ FORWARD_FINGERPRINTS = {
         "5.9.0-5.17.0": "62f609444d38a3ab",
         "5.18.0-5.22.2": "cffa65c2a3c6d183",
         "5.23.0": "ddda523e573acc2f",
+        "5.24.0": "cee337fc955dcbc5",
     },
     "qwen3_vl_moe": {
         "4.57.0-4.57.1": "de0ce736d4cb4694",
@@ -115,6 +117,7 @@ FORWARD_FINGERPRINTS = {
         "5.9.0-5.17.0": "7da6363acb44363b",
         "5.18.0-5.22.2": "d745a3110878b988",
         "5.23.0": "ddda523e573acc2f",
+        "5.24.0": "5004083bdf75d4f1",
     },
     "glm4v": {
         "4.57.0-5.0.0rc2": "c85657bde2e427cf",
@@ -128,6 +131,7 @@ FORWARD_FINGERPRINTS = {
         "5.15.0-5.17.0": "ba0cf2419f18d381",
         "5.18.0-5.22.2": "aefe475de31eebc3",
         "5.23.0": "8028a9e88e78dc3b",
+        "5.24.0": "3834d169d48a3463",
     },
     "glm4v_moe": {
         "4.57.0-5.0.0rc2": "79ecd10c01a5899f",
@@ -141,6 +145,7 @@ FORWARD_FINGERPRINTS = {
         "5.15.0-5.17.0": "8ec62b6612b58366",
         "5.18.0-5.22.2": "dc6bd85cd9ecbb76",
         "5.23.0": "8028a9e88e78dc3b",
+        "5.24.0": "6bad4e2a34186760",
     },
     "glm46v": {
         "5.0.0rc0-5.0.0rc2": "754bc91b5068a622",
@@ -154,6 +159,7 @@ FORWARD_FINGERPRINTS = {
         "5.15.0-5.17.0": "33e101b4b8f38006",
         "5.18.0-5.22.2": "9aa4b22442ae7bd2",
         "5.23.0": "8028a9e88e78dc3b",
+        "5.24.0": "3834d169d48a3463",
     },
     "qwen3_5": {
         "5.2.0": "19631d870e03bd2e",
@@ -162,6 +168,7 @@ FORWARD_FINGERPRINTS = {
         "5.9.0-5.17.0": "13795bc509baed50",
         "5.18.0-5.22.2": "54e9b9a8b377e8be",
         "5.23.0": "2ef1a7a1dbb97733",
+        "5.24.0": "f85545d9fc31e17c",
     },
     "qwen3_5_moe": {
         "5.2.0": "9d792af60e021e8e",
@@ -170,13 +177,14 @@ FORWARD_FINGERPRINTS = {
         "5.9.0-5.17.0": "210bca842d54e920",
         "5.18.0-5.22.2": "0ec5e24bf6392db4",
         "5.23.0": "acc02c61eba214c6",
+        "5.24.0": "08be9257c0efd620",
     },
 }
 
 
 def _target(family):
     cls, first = FAMILIES[family]
-    unsupported = {_NEWER[0]: _NEWER[1]}
+    unsupported = {}
     if first != "4.57.0":
         unsupported[">=%s,<4.57.0" % first] = (
             "%s.forward of releases before 4.57.0 was not read for the mixed-ranks fix (the tower is skipped on "

@@ -203,7 +203,7 @@ def test_one_process_gets_no_dummy_and_status_says_why():
     assert target in registry.patch("qwen2vl").targets
     outcome = dict((o.target.key, o) for _, o in engine.outcomes(["qwen2vl"]))[target.key]
     installed = guards.installed_version("transformers")
-    if not guards.in_range(installed, ">=4.57.0,<5.24.0"):
+    if not guards.in_range(installed, ">=4.57.0,<=5.24.0"):
         assert outcome.kind != engine.APPLIED, outcome.as_dict()
         return
     assert outcome.kind == engine.APPLIED, outcome.as_dict()
@@ -236,7 +236,7 @@ def test_status_says_not_needed_where_verl_installed_its_own_forward(python):
         print("after", r["outcome"], "|", r["detail"])
     """).stdout
     lines = {line.split(" ", 1)[0]: line.split(" ", 1)[1] for line in out.splitlines() if line.startswith(("before", "after"))}
-    if not guards.in_range(guards.installed_version("transformers"), ">=4.57.0,<5.24.0"):
+    if not guards.in_range(guards.installed_version("transformers"), ">=4.57.0,<=5.24.0"):
         pytest.skip("transformers %s: the target does not apply here" % guards.installed_version("transformers"))
     assert lines["before"] == "applied", out
     assert lines["after"] == ("not needed | Qwen2_5_VLModel.forward was replaced after the patch by "
