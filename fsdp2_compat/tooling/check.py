@@ -21,6 +21,12 @@ fused LM head) runs the same way on a model prepared by accelerate's own FSDP2
 preparation, for ``TRL_FAMILIES`` ("TRL SFT, 2 ranks"; see
 ``trl_scenarios``).
 
+Mixed text/image micro-batches across ranks ("mixed ranks, 2 ranks", Qwen2.5-VL
+through each framework's own wrapping): rank 0 trains on an image, rank 1 on
+text only; unpatched gloo aborts on the mismatched collectives (the row shows
+its message), patched every gradient matches the data-parallel average
+(``tooling.mixed``).
+
 Last, the whole path users run: GLM-4.1V through each installed training
 engine that runs on CPU here (verl's FSDP engine, SkyRL's FSDPStrategy; see
 ``tooling.engines``), on two gloo ranks with different data, unpatched and
@@ -120,13 +126,13 @@ def quiet_train_trl(rank, world, *args, **kwargs):
     return result
 
 
-def _two_ranks(fn, *args):
+def _two_ranks(fn, *args, **run_options):
     """``fn(rank, 2, *args, steps=1)`` on 2 gloo ranks (separate processes) with different data per rank."""
     from .ranks import run_ranks
     from .scenarios import first_line
 
     try:
-        results = run_ranks(fn, 2, *args, kwargs={"steps": 1})
+        results = run_ranks(fn, 2, *args, kwargs={"steps": 1}, **run_options)
     except Exception as exc:  # the scenario itself broke: report, do not die
         return {"error": "%s: %s" % (type(exc).__name__, first_line(exc)), "loss_err": None, "output": ""}
     errors = [r for r in results if r["error"] is not None]
@@ -195,6 +201,39 @@ def _engine(kind, family, patch, root):
     if merged["error"] is None and worst >= merged["tol"]:
         merged["error"] = "runs, but gradients or parameters miss the data-parallel average by %.2g" % worst
     return merged
+
+
+MIXED_KIND = "mixed ranks, 2 ranks"
+MIXED_FAMILY = "qwen2_5_vl"  # the issue's family; the tests run more (tests/integrations/test_mixed_ranks.py)
+
+
+def mixed_cases(frameworks, families=None):
+    """``[(framework, family, patch)]``: rank 0 an image, rank 1 text only, through each wrapping framework."""
+    from fsdp2_compat import registry
+
+    from . import tiny
+
+    p = registry.for_model_type(MIXED_FAMILY)
+    if (families is not None and MIXED_FAMILY not in families) or tiny.wrappable(MIXED_FAMILY) is not True:
+        return []
+    if p is None or not any(t in registry.MIXED_MEDIA for t in p.targets):
+        return []
+    return [(framework, MIXED_FAMILY, p.name) for framework in frameworks]
+
+
+def _mixed(framework, family, patch):
+    """One mixed-ranks case on 2 ranks; unpatched, gloo's abort is read from the ranks' stderr."""
+    import tempfile
+
+    from . import mixed
+
+    with tempfile.TemporaryDirectory(prefix="fsdp2_compat_mixed_") as tmp:
+        result = _two_ranks(mixed.train_mixed, framework, family, patch, tmp, retries=0,
+                            pg_timeout=mixed.PG_TIMEOUT, timeout=mixed.PG_TIMEOUT + 120)
+        gloo = mixed.gloo_error(tmp, 2)
+    if result.get("error") is not None and gloo is not None:
+        result["error"] = "gloo: " + gloo.split("] ", 1)[-1]
+    return result
 
 
 def _row(framework, version, family, patch, kind, unpatched, patched):
@@ -292,7 +331,7 @@ def run_checks(families=None, frameworks=None, progress=None):
         dist.init_process_group(
             "gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=datetime.timedelta(seconds=60)
         )
-    cases, rows = [], []
+    cases, rows, importable = [], [], []
     for integration in integrations.INTEGRATIONS:
         framework = integration.dist
         if frameworks is not None and framework not in frameworks:
@@ -310,6 +349,7 @@ def run_checks(families=None, frameworks=None, progress=None):
                 "output": {"unpatched": "", "patched": ""},
             })
             continue
+        importable.append((framework, version))
         cases += [(framework, version, family, patch, "selection") for family, patch in selection_cases(families)]
     verl = guards.installed_version("verl")
     if verl and guards.in_range(verl, ">=0.6.0") and (frameworks is None or "verl" in frameworks):
@@ -320,6 +360,8 @@ def run_checks(families=None, frameworks=None, progress=None):
         # TRL 1.15.0's fused head needs Triton: it cannot run on CPU.
         cases += [("trl", trl, family, patch, TRL_KIND) for family, patch in trl_cases(families)]
     cases += [c for c in engine_cases(families) if frameworks is None or c[0] in frameworks]
+    versions = dict(importable)
+    cases += [(fw, versions[fw], family, patch, MIXED_KIND) for fw, family, patch in mixed_cases(versions, families)]
     import tempfile
 
     models = tempfile.TemporaryDirectory(prefix="fsdp2_compat_check_models_")
@@ -352,6 +394,9 @@ def run_checks(families=None, frameworks=None, progress=None):
             elif kind == TRL_KIND:
                 unpatched = _two_ranks(quiet_train_trl, family, "sft", None)
                 patched = _two_ranks(quiet_train_trl, family, "sft", patch)
+            elif kind == MIXED_KIND:
+                unpatched = _mixed(framework, family, None)
+                patched = _mixed(framework, family, patch)
             elif kind in ENGINES:
                 unpatched = _engine(kind, family, None, models.name)
                 patched = _engine(kind, family, patch, models.name)

@@ -196,6 +196,7 @@ def test_one_process_gets_no_dummy_and_status_says_why():
     from fsdp2_compat.core import engine
     from fsdp2_compat.fixes import mixed_media
     from fsdp2_compat.tooling import tiny
+    from fsdp2_compat.tooling.tiny.text import text_only
 
     fsdp2_compat.apply("qwen2vl")
     model = tiny.build("qwen2_5_vl")
@@ -209,7 +210,7 @@ def test_one_process_gets_no_dummy_and_status_says_why():
     assert outcome.kind == engine.APPLIED, outcome.as_dict()
     assert mixed_media.needed_for(model.model) == (
         False, "torch.distributed is not initialised with more than one rank")
-    batch = accum_jobs.text_only(tiny.make_batch("qwen2_5_vl", model, seed=1), seed=2)
+    batch = text_only(tiny.make_batch("qwen2_5_vl", model, seed=1), seed=2)
     before = mixed_media.STATS["dummy_forwards"]
     model(**batch).loss.backward()
     assert mixed_media.STATS["dummy_forwards"] == before

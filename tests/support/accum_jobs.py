@@ -22,6 +22,7 @@ process only, like the toy patches of ``tests/core/conftest.py``.
 import contextlib
 
 from fsdp2_compat.tooling.scenarios import first_line, full_value, fused_loss, train_against_reference
+from fsdp2_compat.tooling.tiny.text import text_only  # noqa: F401  (used here and by the tests)
 
 STEPS = (("text", "image"), ("image", "text", "image"))  # micro-batch kinds of step 0 and step 1
 TEXT_STEPS = (("text", "text"), ("text", "text", "text"))
@@ -88,22 +89,6 @@ def rank_kinds(step, rank):
     """The micro-batch kinds of ``rank`` in one step: ``step`` is one sequence for every rank
     (``("text", "image")``) or one per rank (``(("image",), ("text",))``: mixed across ranks)."""
     return step[rank] if step and isinstance(step[0], (tuple, list)) else step
-
-
-def text_only(batch, seed):
-    """``batch`` with every image placeholder replaced by a text token, and no image inputs."""
-    import torch
-
-    from fsdp2_compat.tooling.tiny.text import TEXT_TOKENS_MAX
-
-    gen = torch.Generator().manual_seed(seed)
-    ids = batch["input_ids"].clone()
-    special = ids >= TEXT_TOKENS_MAX
-    ids[special] = torch.randint(3, TEXT_TOKENS_MAX, (int(special.sum()),), generator=gen)
-    out = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
-    if "mm_token_type_ids" in batch:
-        out["mm_token_type_ids"] = torch.zeros_like(batch["mm_token_type_ids"])
-    return out
 
 
 def tiny_qwen3_5(seed=0):

@@ -7,14 +7,11 @@ collective mismatch makes gloo abort the rank process from a C++ thread
 ``with_stderr_file`` sends the rank's stderr to a file the test reads.
 """
 
-import os
-
-
 def with_stderr_file(rank, world, directory, *args, **kwargs):
     """``per_family(rank, world, *args)`` with this rank's fd 2 in ``directory/rank<N>.err``."""
-    fd = os.open(os.path.join(directory, "rank%d.err" % rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(fd, 2)
-    os.close(fd)
+    from fsdp2_compat.tooling.mixed import stderr_to_file
+
+    stderr_to_file(directory, rank)
     return per_family(rank, world, *args, **kwargs)
 
 

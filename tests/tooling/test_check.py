@@ -145,3 +145,16 @@ def test_check_shows_trls_unaveraged_lm_head_gradient_and_the_fix(python):
     assert row["unpatched"].startswith("runs, but the lm_head.weight gradient misses the data-parallel average by")
     assert float(row["unpatched"].rsplit(" ", 1)[1]) > 1e-3
     assert row["patched"] == "ok" and row["loss_match"] and row["fixed"]
+
+
+@needs_framework
+def test_check_shows_mixed_ranks_abort_unpatched_and_the_dp_average_patched(python):
+    """rank 0 an image, rank 1 text only, through each wrapping framework (``tooling.mixed``)."""
+    from fsdp2_compat.tooling import check, mixed
+
+    report = _check_json(python, check.MIXED_FAMILY)
+    rows = [r for r in report["rows"] if r["kind"] == check.MIXED_KIND]
+    assert {r["framework"] for r in rows} == set(FRAMEWORKS), report["rows"]
+    for row in rows:
+        assert row["unpatched"].startswith("gloo: ") and mixed.GLOO_MISMATCH in row["unpatched"], row
+        assert row["patched"] == "ok" and row["fixed"] and row["patch"] == "qwen2vl", row
