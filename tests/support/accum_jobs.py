@@ -165,8 +165,10 @@ def _policies(model):
     """The ``[param_dtype, reduce_dtype]`` pairs of the model's FSDP units, as their wrapping set them."""
     from torch.distributed.fsdp import FSDPModule
 
-    pairs = {(str(g.mp_policy.param_dtype), str(g.mp_policy.reduce_dtype))
-             for m in model.modules() if isinstance(m, FSDPModule) for g in _groups(m)}
+    # torch <= 2.14: one policy per group; 2.15: resolved per parameter (FSDPParam.mp_policy)
+    policies = [p for m in model.modules() if isinstance(m, FSDPModule) for g in _groups(m)
+                for p in ([g.mp_policy] if hasattr(g, "mp_policy") else [fp.mp_policy for fp in g.fsdp_params])]
+    pairs = {(str(p.param_dtype), str(p.reduce_dtype)) for p in policies}
     return [list(p) for p in sorted(pairs)]
 
 
