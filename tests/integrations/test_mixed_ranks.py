@@ -242,3 +242,24 @@ def test_status_says_not_needed_where_verl_installed_its_own_forward(python):
     assert lines["before"] == "applied", out
     assert lines["after"] == ("not needed | Qwen2_5_VLModel.forward was replaced after the patch by "
                               "verl.models.transformers.qwen2_vl.qwen2_vl_base_forward, which runs instead"), out
+
+
+@pytest.mark.parametrize("patched", [False, True], ids=["unpatched", "patched"])
+def test_one_unit_around_the_whole_model_needs_it_too(patched, tmp_path):
+    """No vision unit of its own: the root unit's reduce-scatter is shorter on the text-only rank (its vision
+    parameters have no gradient).  The fix finds the enclosing unit (``mixed_media.tower_is_sharded``)."""
+    if not guards.in_range(guards.installed_version("transformers"), ">=4.57.0,<=5.24.0"):
+        pytest.skip("transformers %s: the target does not apply here" % guards.installed_version("transformers"))
+    try:
+        results = run_ranks(mixed_jobs.root_unit_only, 2, str(tmp_path), ["qwen2vl"] if patched else None,
+                            timeout=PG_TIMEOUT + 60, retries=0, pg_timeout=PG_TIMEOUT)
+    except RankError as exc:
+        results = [{"error": msg} for msg, _ in exc.errors.values()]
+    stderr = "".join(p.read_text(errors="replace") for p in tmp_path.glob("rank*.err"))
+    if not patched:
+        assert MISMATCH in stderr or any(MISMATCH in (r["error"] or "") for r in results), (results, stderr)
+        return
+    assert [r["wrapped"] for r in results] == [["<root>"], ["<root>"]], results
+    for rank, r in enumerate(results):
+        _close(r, "fp32", "root unit only, rank %d" % rank)
+    assert [r["dummy_forwards"] for r in results] == [0, 1], results
