@@ -46,6 +46,8 @@ import json
 import sys
 import time
 
+from .mixed import FAMILY as MIXED_FAMILY, KIND as MIXED_KIND  # noqa: F401  (the tests read them here)
+
 TOL = 1e-5
 VERL_FUSED_PREFIX = "verl.models.transformers."
 
@@ -203,39 +205,6 @@ def _engine(kind, family, patch, root):
     return merged
 
 
-MIXED_KIND = "mixed ranks, 2 ranks"
-MIXED_FAMILY = "qwen2_5_vl"  # the issue's family; the tests run more (tests/integrations/test_mixed_ranks.py)
-
-
-def mixed_cases(frameworks, families=None):
-    """``[(framework, family, patch)]``: rank 0 an image, rank 1 text only, through each wrapping framework."""
-    from fsdp2_compat import registry
-
-    from . import tiny
-
-    p = registry.for_model_type(MIXED_FAMILY)
-    if (families is not None and MIXED_FAMILY not in families) or tiny.wrappable(MIXED_FAMILY) is not True:
-        return []
-    if p is None or not any(t in registry.MIXED_MEDIA for t in p.targets):
-        return []
-    return [(framework, MIXED_FAMILY, p.name) for framework in frameworks]
-
-
-def _mixed(framework, family, patch):
-    """One mixed-ranks case on 2 ranks; unpatched, gloo's abort is read from the ranks' stderr."""
-    import tempfile
-
-    from . import mixed
-
-    with tempfile.TemporaryDirectory(prefix="fsdp2_compat_mixed_") as tmp:
-        result = _two_ranks(mixed.train_mixed, framework, family, patch, tmp, retries=0,
-                            pg_timeout=mixed.PG_TIMEOUT, timeout=mixed.PG_TIMEOUT + 120)
-        gloo = mixed.gloo_error(tmp, 2)
-    if result.get("error") is not None and gloo is not None:
-        result["error"] = "gloo: " + gloo.split("] ", 1)[-1]
-    return result
-
-
 def _row(framework, version, family, patch, kind, unpatched, patched):
     tol = patched.get("tol", TOL)
     fixed = patched.get("error") is None and patched.get("loss_err") is not None and patched["loss_err"] < tol
@@ -323,7 +292,7 @@ def run_checks(families=None, frameworks=None, progress=None):
     from fsdp2_compat import integrations
     from fsdp2_compat.core import guards
 
-    from . import scenarios
+    from . import mixed, scenarios
 
     torch.manual_seed(0)
     owns_group = not dist.is_initialized()
@@ -361,7 +330,7 @@ def run_checks(families=None, frameworks=None, progress=None):
         cases += [("trl", trl, family, patch, TRL_KIND) for family, patch in trl_cases(families)]
     cases += [c for c in engine_cases(families) if frameworks is None or c[0] in frameworks]
     versions = dict(importable)
-    cases += [(fw, versions[fw], family, patch, MIXED_KIND) for fw, family, patch in mixed_cases(versions, families)]
+    cases += [(fw, versions[fw], family, patch, MIXED_KIND) for fw, family, patch in mixed.cases(versions, families)]
     import tempfile
 
     models = tempfile.TemporaryDirectory(prefix="fsdp2_compat_check_models_")
@@ -395,8 +364,8 @@ def run_checks(families=None, frameworks=None, progress=None):
                 unpatched = _two_ranks(quiet_train_trl, family, "sft", None)
                 patched = _two_ranks(quiet_train_trl, family, "sft", patch)
             elif kind == MIXED_KIND:
-                unpatched = _mixed(framework, family, None)
-                patched = _mixed(framework, family, patch)
+                unpatched = mixed.run_case(framework, family, None)
+                patched = mixed.run_case(framework, family, patch)
             elif kind in ENGINES:
                 unpatched = _engine(kind, family, None, models.name)
                 patched = _engine(kind, family, patch, models.name)

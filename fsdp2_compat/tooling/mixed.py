@@ -14,6 +14,8 @@ every framework and more families (``tests/integrations/test_mixed_ranks.py``).
 
 import os
 
+KIND = "mixed ranks, 2 ranks"  # the check's row kind
+FAMILY = "qwen2_5_vl"  # the issue's family; the tests run more (tests/integrations/test_mixed_ranks.py)
 GLOO_MISMATCH = "Received data size doesn't match expected size"
 PG_TIMEOUT = 20  # seconds: the surviving rank's wait in a collective its peer never joins
 
@@ -57,9 +59,17 @@ def train_mixed(rank, world, framework, family, patches, stderr_dir, steps=1):
 
 
 def stderr_to_file(directory, rank):
-    """Send this process's fd 2 to ``directory/rank<N>.err`` (what gloo prints before it aborts the rank)."""
+    """Send this process's fds 2 and 1 to ``directory/rank<N>.err``: what gloo prints before it aborts the
+    rank, and whatever the frameworks print straight to the process's stdout (AReaL's platform line), which
+    must not reach the check's ``--json`` output."""
+    import sys
+
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        if stream is not None:
+            stream.flush()
     fd = os.open(os.path.join(directory, "rank%d.err" % rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 2)
+    os.dup2(fd, 1)
     os.close(fd)
 
 
@@ -72,3 +82,41 @@ def gloo_error(stderr_dir, world):
                 if GLOO_MISMATCH in line:
                     return line.strip()
     return None
+
+
+def quiet_train_mixed(rank, world, *args, **kwargs):
+    """``train_mixed`` in a rank process, its prints captured into ``result["output"]`` (``--json`` stays JSON)."""
+    from .check import _captured
+
+    result, output = _captured(train_mixed, rank, world, *args, **kwargs)
+    result["output"] = output
+    return result
+
+
+def cases(frameworks, families=None):
+    """``[(framework, family, patch)]`` for the check: ``FAMILY`` through each of ``frameworks``."""
+    from fsdp2_compat import registry
+
+    from . import tiny
+
+    p = registry.for_model_type(FAMILY)
+    if (families is not None and FAMILY not in families) or tiny.wrappable(FAMILY) is not True:
+        return []
+    if p is None or not any(t in registry.MIXED_MEDIA for t in p.targets):
+        return []
+    return [(framework, FAMILY, p.name) for framework in frameworks]
+
+
+def run_case(framework, family, patch):
+    """One check case on 2 ranks (``check._two_ranks``); unpatched, gloo's abort is read from the ranks' stderr."""
+    import tempfile
+
+    from .check import _two_ranks
+
+    with tempfile.TemporaryDirectory(prefix="fsdp2_compat_mixed_") as tmp:
+        result = _two_ranks(quiet_train_mixed, framework, family, patch, tmp, retries=0, pg_timeout=PG_TIMEOUT,
+                            timeout=PG_TIMEOUT + 120)
+        gloo = gloo_error(tmp, 2)
+    if result.get("error") is not None and gloo is not None:
+        result["error"] = "gloo: " + gloo.split("] ", 1)[-1]
+    return result
