@@ -13,7 +13,7 @@ derived from it (``for_model_type``, ``selection_model_types``).
 Rules that need the whole catalogue live here too (``siblings``).
 """
 
-from .integrations import accelerate, areal, llamafactory, skyrl, torch_fsdp, trl, verl
+from .integrations import accelerate, areal, llamafactory, skyrl, torch_fsdp, transformers_media, trl, verl
 from .core.records import Patch
 
 # LLaMA-Factory 0.9.5's layer-class lookup, which ignores transformers 5.x's set _no_split_modules:
@@ -45,6 +45,13 @@ _LM_HEAD_DELETE = (
     "gradient (not plain full_tensor()) in every release you run"
 )
 
+
+# Mixed text/image micro-batches across ranks: the transformers forwards that skip the vision tower
+# on a text-only micro-batch, per family (fsdp2_compat.fixes.mixed_media).  Every target, for the tooling:
+MIXED_MEDIA = transformers_media.TARGETS
+_MIXED_REFS = ("TRL issue #3934", "torchtitan issue #4777")
+_MIXED_DELETE = ("when transformers keeps every rank in the vision tower's collectives on text-only micro-batches in "
+                 "every release you run")
 
 _ACCUM_REFS = ("pytorch issue #196996", "pytorch PR #194058", "verl PR #7475", "verl issue #7520")
 _ACCUM_DELETE = "when every torch you run is >= 2.15.0 (FSDP2 accumulation rewritten around grad_dtype)"
@@ -82,40 +89,42 @@ PATCHES = (
         # verl serves GLM-4.5V / GLM-4.6V (glm4v_moe) through dense_common's fused forward.
         # verl's own GLM-4.1V forward runs on the transformers verl admits only with GLM4V_FORWARD.
         targets=(WRAP_SELECTION + verl.GLM4V_FORWARD + verl.GLM4V_FUSED + verl.DENSE_FUSED + TRL + ACCELERATE
-                 + GRAD_ACCUMULATION),
-        references=_SELECTION_REFS + _LM_HEAD_REFS + _ACC_REFS + _ACCUM_REFS,
+                 + GRAD_ACCUMULATION + transformers_media.GLM4V),
+        references=_SELECTION_REFS + _LM_HEAD_REFS + _ACC_REFS + _ACCUM_REFS + _MIXED_REFS,
         delete_when=(_SELECTION_DELETE + "; and " + _LM_HEAD_DELETE + "; and " + _TRL_DELETE + "; and " + _ACC_DELETE
-                     + "; and "
-                     + _ACCUM_DELETE),
+                     + "; and " + _ACCUM_DELETE + "; and " + _MIXED_DELETE),
     ),
     Patch(
         name="qwen3vl",
         summary="verl fused kernels: `aten.mm.default` mixed Tensor/DTensor (0.7.1-0.8.0); silently **unaveraged "
         "`lm_head` gradient** from plain `full_tensor()` (0.9.x), and with a bf16 policy a dtype-mismatch crash",
         model_types={"qwen3_vl": "Qwen3-VL", "qwen3_vl_moe": "Qwen3-VL-MoE"},
-        targets=verl.QWEN3_VL_FUSED + TRL + ACCELERATE + LF_LAYER_LOOKUP + GRAD_ACCUMULATION,
-        references=_LM_HEAD_REFS + _ACC_REFS + _LF_REFS + _ACCUM_REFS,
+        targets=(verl.QWEN3_VL_FUSED + TRL + ACCELERATE + LF_LAYER_LOOKUP + GRAD_ACCUMULATION
+                 + transformers_media.QWEN3_VL),
+        references=_LM_HEAD_REFS + _ACC_REFS + _LF_REFS + _ACCUM_REFS + _MIXED_REFS,
         delete_when=(_LM_HEAD_DELETE + "; and " + _TRL_DELETE + "; and " + _ACC_DELETE + "; and " + _LF_DELETE + "; and "
-                     + _ACCUM_DELETE),
+                     + _ACCUM_DELETE + "; and " + _MIXED_DELETE),
     ),
     Patch(
         name="qwen2vl",
         summary="verl fused kernels: `aten.mm.default` mixed Tensor/DTensor (the sharded `lm_head.weight` is read "
         "raw)",
         model_types={"qwen2_vl": "Qwen2-VL", "qwen2_5_vl": "Qwen2.5-VL"},
-        targets=verl.QWEN2_VL_FUSED + TRL + ACCELERATE + LF_LAYER_LOOKUP + GRAD_ACCUMULATION,
-        references=_LM_HEAD_REFS + _ACC_REFS + _LF_REFS + _ACCUM_REFS,
+        targets=(verl.QWEN2_VL_FUSED + TRL + ACCELERATE + LF_LAYER_LOOKUP + GRAD_ACCUMULATION
+                 + transformers_media.QWEN2_VL + verl.QWEN2_VL_FORWARD),
+        references=_LM_HEAD_REFS + _ACC_REFS + _LF_REFS + _ACCUM_REFS + _MIXED_REFS,
         delete_when=(_LM_HEAD_DELETE + "; and " + _TRL_DELETE + "; and " + _ACC_DELETE + "; and " + _LF_DELETE + "; and "
-                     + _ACCUM_DELETE),
+                     + _ACCUM_DELETE + "; and " + _MIXED_DELETE),
     ),
     Patch(
         name="qwen35",
         summary="verl fused kernels: unaveraged `lm_head` gradient (plain `full_tensor()`)",
         model_types={"qwen3_5": "Qwen3.5", "qwen3_5_moe": "Qwen3.5-MoE"},
-        targets=verl.QWEN3_5_FUSED + TRL + ACCELERATE + LF_LAYER_LOOKUP + GRAD_ACCUMULATION,
-        references=_LM_HEAD_REFS + _ACC_REFS + _LF_REFS + _ACCUM_REFS,
+        targets=(verl.QWEN3_5_FUSED + TRL + ACCELERATE + LF_LAYER_LOOKUP + GRAD_ACCUMULATION
+                 + transformers_media.QWEN3_5),
+        references=_LM_HEAD_REFS + _ACC_REFS + _LF_REFS + _ACCUM_REFS + _MIXED_REFS,
         delete_when=(_LM_HEAD_DELETE + "; and " + _TRL_DELETE + "; and " + _ACC_DELETE + "; and " + _LF_DELETE + "; and "
-                     + _ACCUM_DELETE),
+                     + _ACCUM_DELETE + "; and " + _MIXED_DELETE),
     ),
     Patch(
         name="textlm",

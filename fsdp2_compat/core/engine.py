@@ -98,6 +98,21 @@ def active_targets():
         return sorted(set(_replacements.values()))
 
 
+def displaced(target):
+    """What now stands where ``target``'s replacement was installed, when someone replaced it since
+    (verl's ``apply_monkey_patch`` assigns its own model forwards to transformers' classes); else None."""
+    with _lock:
+        state = _states.get(target.key)
+        applied = state.applied if state is not None else None
+        if applied is None:
+            return None
+        for attr, _old, new in applied.swaps:
+            if attr == target.attr:
+                current = lookup(applied.module, attr)
+                return None if current is new else current
+    return None
+
+
 # -- where an attribute lives: ``calls.lookup`` (the seams read it too) ----------
 # Writes use ``setattr`` (a class ``__dict__`` is read-only).
 

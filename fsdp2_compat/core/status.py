@@ -39,6 +39,12 @@ def status(names=None):
             elif unsupported is not None:  # ... or that it has the bug where the patch does not reach
                 row["outcome"] = engine.UNSUPPORTED
                 row["detail"] = "%s %s: %s" % (dist, versions[dist], unsupported)
+        if row["outcome"] == engine.APPLIED:
+            other = engine.displaced(outcome.target)
+            if other is not None:  # someone installed their own code over ours: that runs, ours does not
+                row["outcome"] = engine.NOT_NEEDED
+                row["detail"] = "%s was replaced after the patch by %s.%s, which runs instead" % (
+                    outcome.target.attr, getattr(other, "__module__", "?"), getattr(other, "__qualname__", "?"))
         live = row["outcome"] in (engine.APPLIED, engine.WAITING) and row["found"] and guards.in_range(
             row["found"], outcome.target.versions
         )

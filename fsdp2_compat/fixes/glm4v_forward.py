@@ -25,7 +25,9 @@ under it, so that forward runs as released only on transformers
 Seams (``wrapt.FunctionWrapper`` around verl's functions; the rest of verl's
 forward runs as released):
 
-- ``vision_output_seam`` (``_get_input_embeds``): for the duration of the
+- ``vision_output_seam`` (``_get_input_embeds``; also serves verl's Qwen2-VL
+  ``_get_input_embeds``, whose text-only dummy branch has the same ``.mean()``
+  on the output object: ``verl.QWEN2_VL_FORWARD``): for the duration of the
   call, a forward hook on ``model.visual`` hands verl the output's
   ``pooler_output`` whenever the vision tower returns an object that has one:
   ``unpack_visual_output``'s rule.  It covers the image, video and text-only
@@ -90,7 +92,7 @@ def vision_output_seam(module, attr):
 
     version, needed = _transformers_in(VISION_OUTPUT_OBJECT)
     if not needed:
-        raise guards.NotNeeded("transformers %s: Glm4vVisionModel returns the merged tensor verl expects" % version)
+        raise guards.NotNeeded("transformers %s: the vision tower returns the merged tensor verl expects" % version)
     import wrapt
 
     from ..core import calls

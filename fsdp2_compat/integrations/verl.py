@@ -139,6 +139,28 @@ GLM4V_FORWARD = (
     ),
 )
 
+# verl's Qwen2-VL / Qwen2.5-VL forward (``verl/models/transformers/qwen2_vl.py``, installed by
+# ``apply_monkey_patch`` on both families, fused kernels or not) runs its own dummy vision forward
+# on a text-only micro-batch ("handle mixed text-image data", 0.6.0+), but calls ``.mean()`` on
+# what ``model.visual`` returns: from transformers 5.0.0 a ``BaseModelOutputWithPooling``, so every
+# text-only micro-batch raises ``AttributeError: 'BaseModelOutputWithPooling' object has no
+# attribute 'mean'`` (its image branch unpacks the object; the dummy branch does not).  The GLM4V
+# seam's rule fixes it: during the call ``model.visual`` hands verl its ``pooler_output``
+# (``unpack_visual_output`` takes a tensor as well).  "not needed" below transformers 5.0.0.
+QWEN2_VL_FORWARD = (
+    Target(
+        dist="verl",
+        module="verl.models.transformers.qwen2_vl",
+        attr="_get_input_embeds",
+        versions="==0.9.1",
+        fingerprints={"0.6.0-0.7.1": "bd15d2383d6b4d3b", "0.8.0.dev0-0.9.1": "b57eda559ec1a29a"},
+        seam="fsdp2_compat.fixes.glm4v_forward:vision_output_seam",
+        what="Qwen2-VL forward (text-only dummy vision output, transformers >= 5.0.0)",
+        declared={"<0.6.0": "no _get_input_embeds: verl's Qwen2-VL forwards leave the vision tower to transformers' "
+                            "forward (covered by the mixed-ranks target)"},
+    ),
+)
+
 
 # ---------------------------------------------------------------------------
 # Fused-kernel forwards (``use_fused_kernels=True``).  ``patch_forward_with_backends``

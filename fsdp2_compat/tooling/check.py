@@ -24,6 +24,12 @@ preparation runs with a Liger-style reader of ``lm_head.weight`` (untied
 Qwen2.5-VL) and with a tied text model ("accelerate ..., 2 ranks"; see
 ``accelerate_scenarios``).
 
+Mixed text/image micro-batches across ranks ("mixed ranks, 2 ranks", Qwen2.5-VL
+through each framework's own wrapping): rank 0 trains on an image, rank 1 on
+text only; unpatched gloo aborts on the mismatched collectives (the row shows
+its message), patched every gradient matches the data-parallel average
+(``tooling.mixed``).
+
 Last, the whole path users run: GLM-4.1V through each installed training
 engine that runs on CPU here (verl's FSDP engine, SkyRL's FSDPStrategy; see
 ``tooling.engines``), on two gloo ranks with different data, unpatched and
@@ -37,13 +43,13 @@ fixed, and always in ``--json``.  Exit status 1 when a patch that applied
 does not fix its case; 0 otherwise.
 """
 
-import contextlib
-import io
 import json
 import sys
 import time
 
+from .rank_cases import captured as _captured, two_ranks as _two_ranks  # noqa: F401  (the rows' runners)
 from .check_table import COLUMNS, _LAST_MIN, format_lines, format_rows, summary_line  # noqa: F401  (check.format_rows)
+from .mixed import FAMILY as MIXED_FAMILY, KIND as MIXED_KIND  # noqa: F401  (the tests read them here)
 
 TOL = 1e-5
 VERL_FUSED_PREFIX = "verl.models.transformers."
@@ -51,44 +57,6 @@ VERL_FUSED_PREFIX = "verl.models.transformers."
 
 def _short(error):
     return "ok" if error is None else error
-
-
-def _captured(fn, *args, **kwargs):
-    """``fn(...)`` with Python-level stdout/stderr captured; returns (result, text).
-
-    Logging handlers that hold the process's stdout / stderr (LLaMA-Factory logs
-    to a ``StreamHandler(sys.stdout)`` it made at import, AReaL to its own) write
-    into the capture too, so ``--json`` output stays JSON; so do handlers made
-    while an earlier capture was on (they hold its buffer).
-    """
-    buf = io.StringIO()
-    _buffers.append(buf)
-    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf), _log_streams_to(buf):
-        result = fn(*args, **kwargs)
-    return result, buf.getvalue()
-
-
-_buffers = []  # every capture buffer of this process (a logging handler may have kept one)
-
-
-@contextlib.contextmanager
-def _log_streams_to(buf):
-    import logging
-
-    streams = {id(s) for s in (sys.__stdout__, sys.__stderr__, sys.stdout, sys.stderr) + tuple(_buffers)
-               if s is not None}
-    moved = []
-    loggers = [logging.getLogger()] + [v for v in logging.Logger.manager.loggerDict.values()
-                                       if isinstance(v, logging.Logger)]
-    for logger in loggers:
-        for handler in logger.handlers:
-            if type(handler) is logging.StreamHandler and id(handler.stream) in streams:
-                moved.append((handler, handler.setStream(buf)))
-    try:
-        yield
-    finally:
-        for handler, stream in reversed(moved):
-            handler.setStream(stream)
 
 
 def _run(fn, *args, **kwargs):
@@ -132,27 +100,6 @@ def quiet_reader_steps(rank, world, *args, **kwargs):
     result, output = _captured(reader_steps, rank, world, *args, **kwargs)
     result["output"] = output
     return result
-
-
-def _two_ranks(fn, *args):
-    """``fn(rank, 2, *args, steps=1)`` on 2 gloo ranks (separate processes) with different data per rank."""
-    from .ranks import run_ranks
-    from .scenarios import first_line
-
-    try:
-        results = run_ranks(fn, 2, *args, kwargs={"steps": 1})
-    except Exception as exc:  # the scenario itself broke: report, do not die
-        return {"error": "%s: %s" % (type(exc).__name__, first_line(exc)), "loss_err": None, "output": ""}
-    errors = [r for r in results if r["error"] is not None]
-    if errors:
-        return errors[0]
-    worst = max(results, key=lambda r: r["grad_err"])
-    out = dict(worst)
-    if worst["grad_err"] >= TOL:
-        # Runs, but wrong: report it where a crash would go, with the measured size.
-        out["error"] = "runs, but the %s gradient misses the data-parallel average by %.2g" % (
-            worst["worst_grad"], worst["grad_err"])
-    return out
 
 
 # kind -> (framework, harness module in tooling.engines, its rank function)
@@ -318,7 +265,7 @@ def run_checks(families=None, frameworks=None, progress=None):
     from fsdp2_compat import integrations
     from fsdp2_compat.core import guards
 
-    from . import scenarios
+    from . import mixed, scenarios
 
     torch.manual_seed(0)
     owns_group = not dist.is_initialized()
@@ -326,7 +273,7 @@ def run_checks(families=None, frameworks=None, progress=None):
         dist.init_process_group(
             "gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=datetime.timedelta(seconds=60)
         )
-    cases, rows = [], []
+    cases, rows, importable = [], [], []
     for integration in integrations.INTEGRATIONS:
         framework = integration.dist
         if frameworks is not None and framework not in frameworks:
@@ -344,6 +291,7 @@ def run_checks(families=None, frameworks=None, progress=None):
                 "output": {"unpatched": "", "patched": ""},
             })
             continue
+        importable.append((framework, version))
         cases += [(framework, version, family, patch, "selection") for family, patch in selection_cases(families)]
     verl = guards.installed_version("verl")
     if verl and guards.in_range(verl, ">=0.6.0") and (frameworks is None or "verl" in frameworks):
@@ -358,6 +306,8 @@ def run_checks(families=None, frameworks=None, progress=None):
         # Where the tail unit exists: a Liger-style lm_head reader (untied VLM), and a tied model.
         cases += [("accelerate", acc, family, patch, kind) for family, patch, kind in accelerate_cases(families)]
     cases += [c for c in engine_cases(families) if frameworks is None or c[0] in frameworks]
+    versions = dict(importable)
+    cases += [(fw, versions[fw], family, patch, MIXED_KIND) for fw, family, patch in mixed.cases(versions, families)]
     import tempfile
 
     models = tempfile.TemporaryDirectory(prefix="fsdp2_compat_check_models_")
@@ -395,6 +345,9 @@ def run_checks(families=None, frameworks=None, progress=None):
                 read = None if tied else "raw"
                 unpatched = _two_ranks(quiet_reader_steps, family, tied, read, None)
                 patched = _two_ranks(quiet_reader_steps, family, tied, read, patch)
+            elif kind == MIXED_KIND:
+                unpatched = mixed.run_case(framework, family, None)
+                patched = mixed.run_case(framework, family, patch)
             elif kind in ENGINES:
                 unpatched = _engine(kind, family, None, models.name)
                 patched = _engine(kind, family, patch, models.name)

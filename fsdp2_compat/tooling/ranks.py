@@ -46,7 +46,7 @@ def _get_context():
     return _context
 
 
-def _rank_main(fn, rank, world, init_file, args, kwargs, results):
+def _rank_main(fn, rank, world, init_file, args, kwargs, results, pg_timeout=120):
     import datetime
 
     import torch
@@ -59,7 +59,7 @@ def _rank_main(fn, rank, world, init_file, args, kwargs, results):
             init_method="file://" + init_file,
             rank=rank,
             world_size=world,
-            timeout=datetime.timedelta(seconds=120),
+            timeout=datetime.timedelta(seconds=pg_timeout),
         )
         try:
             results.put((rank, True, fn(rank, world, *args, **kwargs)))
@@ -74,8 +74,11 @@ def _rank_main(fn, rank, world, init_file, args, kwargs, results):
 _TRANSPORT = ("Connection reset by peer", "Connection closed by peer", "no report; process exit code")
 
 
-def run_ranks(fn, world, *args, kwargs=None, timeout=300, retries=1):
+def run_ranks(fn, world, *args, kwargs=None, timeout=300, retries=1, pg_timeout=120):
     """Run ``fn(rank, world, *args, **kwargs)`` on ``world`` gloo ranks; return results by rank.
+
+    ``pg_timeout``: the process group's timeout in seconds (a run that is expected
+    to stall in a collective sets it short, so the stall surfaces as gloo's error).
 
     A run that fails only because a rank process vanished (gloo then reports
     "Connection reset by peer" on the others) is retried ``retries`` times,
@@ -83,7 +86,7 @@ def run_ranks(fn, world, *args, kwargs=None, timeout=300, retries=1):
     """
     for attempt in range(retries + 1):
         try:
-            return _run_once(fn, world, args, kwargs, timeout)
+            return _run_once(fn, world, args, kwargs, timeout, pg_timeout)
         except RankError as exc:
             transport = all(any(t in msg for t in _TRANSPORT) for msg, _ in exc.errors.values())
             if not transport or attempt == retries:
@@ -92,12 +95,12 @@ def run_ranks(fn, world, *args, kwargs=None, timeout=300, retries=1):
                   file=sys.stderr)
 
 
-def _run_once(fn, world, args, kwargs, timeout):
+def _run_once(fn, world, args, kwargs, timeout, pg_timeout=120):
     ctx = _get_context()
     with tempfile.TemporaryDirectory(prefix="fsdp2_compat_ranks_") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         results = ctx.Queue()
-        procs = [ctx.Process(target=_rank_main, args=(fn, r, world, init_file, args, kwargs or {}, results)) for r in range(world)]
+        procs = [ctx.Process(target=_rank_main, args=(fn, r, world, init_file, args, kwargs or {}, results, pg_timeout)) for r in range(world)]
         for p in procs:
             p.start()
         got, errors = {}, {}

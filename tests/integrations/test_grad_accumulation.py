@@ -52,26 +52,13 @@ pytestmark = pytest.mark.skipif(
     reason="torch %s: the FSDP2 accumulation bugs are in 2.7.0-2.14.1 (2.15.0 rewrote accumulation)" % TORCH,
 )
 
-TOL = 1e-5
-# bf16 params against an fp32 reference, two steps (as tests/integrations/test_fused_forwards.py)
-BF16_GRAD, BF16_REL_TO_MAX = 1e-2, 6e-2
+TOL, BF16_GRAD = accum_jobs.TOL, accum_jobs.BF16_GRAD
+_close = accum_jobs.assert_close
 ATTRIBUTE_ERROR = "AttributeError: 'FSDPParam' object has no attribute '_unsharded_param'"
 MIXED_DTYPES = re.compile(
     r"AssertionError: FSDP reduce-scatter expects uniform gradient dtype but got "
     r"\{torch\.(bfloat16|float32), torch\.(float32|bfloat16)\}$"
 )
-
-
-def _close(r, policy, where):
-    assert r["error"] is None, "%s: %s" % (where, r["error"])
-    assert r["grads_checked"] > 0, where
-    if policy == "fp32":
-        assert r["loss_err"] < TOL and r["param_err"] < TOL, (where, r)
-        assert r["grad_err"] < TOL, "%s: worst gradient %s %.2e" % (where, r["worst_grad"], r["grad_err"])
-    else:
-        assert r["grad_err"] < BF16_GRAD, "%s: worst gradient %s %.2e" % (where, r["worst_grad"], r["grad_err"])
-        assert r["grad_rel_to_max"] < BF16_REL_TO_MAX, (where, r["worst_rel_to_max"], r["grad_rel_to_max"])
-        assert r["lm_head_grad_err"] < BF16_GRAD, (where, r["lm_head_grad_err"])
 
 
 # ---------------------------------------------------------------------------
@@ -197,8 +184,11 @@ def test_unpatched_text_only_deferred_micro_batch_crashes_on_the_vision_tower(fr
     for r in results:
         assert r["unpatched"]["error"] == "step 0: " + ATTRIBUTE_ERROR, r["unpatched"]["error"]
         # the trigger: after the text-only micro-batch no unit of the vision tower was ever all-gathered
+        # (seen with the guard alone: the family patch's mixed-ranks targets run a dummy vision forward on
+        # every rank's text-only micro-batch, so there the tower is gathered: tests/integrations/test_mixed_ranks.py)
         vision_units = [u for u in r["bf16 deferred"]["wrapped"] if u.startswith("model.visual.")]
-        assert vision_units and r["bf16 deferred"]["never_gathered_after_first"] == vision_units, r["bf16 deferred"]
+        assert vision_units and r["guard only"]["never_gathered_after_first"] == vision_units, r["guard only"]
+        assert r["bf16 deferred"]["never_gathered_after_first"] == [], r["bf16 deferred"]
 
 
 @pytest.mark.parametrize("framework,family", FRAMEWORK_FAMILIES)
@@ -257,8 +247,8 @@ def test_accelerate_bf16_reduces_in_bf16_so_unpatched_deferred_sync_already_matc
         unpatched = r["bf16-reduce unpatched"]
         assert unpatched["policies"] == [["torch.bfloat16", "torch.bfloat16"]], unpatched["policies"]
         assert r["bf16 deferred"]["policies"] == [["torch.bfloat16", "torch.float32"]], r["bf16 deferred"]["policies"]
-        # the same trigger as under the crashing policy
-        assert unpatched["never_gathered_after_first"] == r["bf16 deferred"]["never_gathered_after_first"], unpatched
+        # the same trigger as under the crashing policy (with the guard alone: no mixed-ranks dummy there)
+        assert unpatched["never_gathered_after_first"] == r["guard only"]["never_gathered_after_first"], unpatched
         for case in ("bf16-reduce unpatched", "bf16-reduce deferred", "bf16-reduce every"):
             _close(r[case], "bf16", "%s %s rank %d" % (family, case, rank))
         assert 0 < r["bf16-reduce deferred vs bf16-reduce every"] < BF16_GRAD, r["bf16-reduce deferred vs bf16-reduce every"]

@@ -22,6 +22,7 @@ process only, like the toy patches of ``tests/core/conftest.py``.
 import contextlib
 
 from fsdp2_compat.tooling.scenarios import first_line, full_value, fused_loss, train_against_reference
+from fsdp2_compat.tooling.tiny.text import text_only  # noqa: F401  (used here and by the tests)
 
 STEPS = (("text", "image"), ("image", "text", "image"))  # micro-batch kinds of step 0 and step 1
 TEXT_STEPS = (("text", "text"), ("text", "text", "text"))
@@ -30,7 +31,7 @@ TEXT_STEPS = (("text", "text"), ("text", "text", "text"))
 def _test_patches():
     from fsdp2_compat import registry
     from fsdp2_compat.core.records import Patch
-    from fsdp2_compat.integrations import torch_fsdp
+    from fsdp2_compat.integrations import torch_fsdp, verl
 
     def patch(name, targets):
         return Patch(name, "test only", {}, targets, ("test",), "never")
@@ -45,6 +46,15 @@ def _test_patches():
         # Qwen3-VL's patch without LLaMA-Factory's layer-class lookup (what that target is for)
         patch("t-qwen3vl-without-lookup", tuple(t for t in registry.patch("qwen3vl").targets
                                                 if t not in registry.LF_LAYER_LOOKUP)),
+    ) + tuple(
+        # each family patch without its mixed text/image ranks targets (tests/integrations/test_mixed_ranks.py)
+        patch("t-%s-without-mixed" % name, tuple(t for t in registry.patch(name).targets
+                                                 if t not in registry.MIXED_MEDIA))
+        for name in ("glm4v", "qwen3vl", "qwen2vl", "qwen35")
+    ) + (
+        # ... and without the fix of verl's own Qwen2-VL text-only dummy (verl.QWEN2_VL_FORWARD)
+        patch("t-qwen2vl-without-verl-forward", tuple(t for t in registry.patch("qwen2vl").targets
+                                                      if t not in registry.MIXED_MEDIA + verl.QWEN2_VL_FORWARD)),
     )
 
 
@@ -57,20 +67,28 @@ def register_test_patches():
             registry.register(p)
 
 
-def text_only(batch, seed):
-    """``batch`` with every image placeholder replaced by a text token, and no image inputs."""
-    import torch
+TOL = 1e-5
+# bf16 params against an fp32 reference, two steps (as tests/integrations/test_fused_forwards.py)
+BF16_GRAD, BF16_REL_TO_MAX = 1e-2, 6e-2
 
-    from fsdp2_compat.tooling.tiny.text import TEXT_TOKENS_MAX
 
-    gen = torch.Generator().manual_seed(seed)
-    ids = batch["input_ids"].clone()
-    special = ids >= TEXT_TOKENS_MAX
-    ids[special] = torch.randint(3, TEXT_TOKENS_MAX, (int(special.sum()),), generator=gen)
-    out = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
-    if "mm_token_type_ids" in batch:
-        out["mm_token_type_ids"] = torch.zeros_like(batch["mm_token_type_ids"])
-    return out
+def assert_close(r, policy, where):
+    """A case's result matches the data-parallel reference: fp32 to ``TOL``, bf16 within bf16 tolerance."""
+    assert r["error"] is None, "%s: %s" % (where, r["error"])
+    assert r["grads_checked"] > 0, where
+    if policy == "fp32":
+        assert r["loss_err"] < TOL and r["param_err"] < TOL, (where, r)
+        assert r["grad_err"] < TOL, "%s: worst gradient %s %.2e" % (where, r["worst_grad"], r["grad_err"])
+    else:
+        assert r["grad_err"] < BF16_GRAD, "%s: worst gradient %s %.2e" % (where, r["worst_grad"], r["grad_err"])
+        assert r["grad_rel_to_max"] < BF16_REL_TO_MAX, (where, r["worst_rel_to_max"], r["grad_rel_to_max"])
+        assert r["lm_head_grad_err"] < BF16_GRAD, (where, r["lm_head_grad_err"])
+
+
+def rank_kinds(step, rank):
+    """The micro-batch kinds of ``rank`` in one step: ``step`` is one sequence for every rank
+    (``("text", "image")``) or one per rank (``(("image",), ("text",))``: mixed across ranks)."""
+    return step[rank] if step and isinstance(step[0], (tuple, list)) else step
 
 
 def tiny_qwen3_5(seed=0):
@@ -209,8 +227,8 @@ def _micro_batch(family, reference, seed, kind, fused):
     from fsdp2_compat.tooling import tiny
     from fsdp2_compat.tooling.verl_batches import add_verl_position_ids
 
-    if family == "qwen3_5":  # text-only micro-batches, as in verl issue #7520
-        batch = tiny.make_batch("qwen2", reference, seed=seed)
+    if family == "qwen3_5":  # text-only micro-batches, as in verl issue #7520; images as Qwen3-VL's
+        batch = tiny.make_batch("qwen3_vl" if kind == "image" else "qwen2", reference, seed=seed)
         batch["use_cache"] = False
     else:
         batch = tiny.make_batch(family, reference, seed=seed)
@@ -230,7 +248,7 @@ def _one_case(rank, world, framework, family, fused, patches, policy, sync, step
     import copy
 
     import fsdp2_compat
-    from fsdp2_compat.fixes import gather
+    from fsdp2_compat.fixes import gather, mixed_media
     from fsdp2_compat.tooling import scenarios
 
     if patches:
@@ -248,6 +266,7 @@ def _one_case(rank, world, framework, family, fused, patches, policy, sync, step
               "losses": [], "loss_err": 0.0, "grad_err": 0.0, "worst_grad": None, "param_err": 0.0, "grads_checked": 0, "lm_head_grad_err": 0.0,
               "never_gathered_after_first": None, "grads": [], "lm_head_sharded_after_backward": []}
     releases_before = gather.STATS["early_releases"]
+    dummies_before = mixed_media.STATS["dummy_forwards"]
     lm_head = getattr(model, "lm_head", None)
     lm_group = gather._owning(lm_head, lm_head.weight)[0] if lm_head is not None and hasattr(
         lm_head, "_get_fsdp_state") else None
@@ -282,9 +301,8 @@ def _one_case(rank, world, framework, family, fused, patches, policy, sync, step
         return loss, None
 
     def batches_for(step):
-        kinds = steps[step]
         return [[_micro_batch(family, reference, 1 + 100 * step + 10 * mb + r, kind, fused)
-                 for mb, kind in enumerate(kinds)] for r in range(world)]
+                 for mb, kind in enumerate(rank_kinds(steps[step], r))] for r in range(world)]
 
     def snapshot(_out, _ref_out):
         after_backward()  # the step's last micro-batch (train_against_reference backpropagated it)
@@ -299,6 +317,7 @@ def _one_case(rank, world, framework, family, fused, patches, policy, sync, step
         if chunked:
             model_class.forward = saved_forward
     result["early_releases"] = gather.STATS["early_releases"] - releases_before
+    result["dummy_forwards"] = mixed_media.STATS["dummy_forwards"] - dummies_before
     return result
 
 
@@ -310,7 +329,8 @@ def accumulation_cases(rank, world, framework, family, cases, pairs=(), fused=Fa
     None; ``policy``: "bf16" (bf16 params, fp32 reduce) or "fp32", given to the
     framework its own way (``frameworks.shard``), and for accelerate also
     "bf16-reduce" (its own bf16 policy, ``trl_scenarios``); ``steps``:
-    "mixed" (``STEPS``) or "text" (``TEXT_STEPS``).  For each ``(a, b)`` of
+    "mixed" (``STEPS``), "text" (``TEXT_STEPS``) or the steps themselves,
+    per rank where they differ across ranks (``rank_kinds``).  For each ``(a, b)`` of
     ``pairs``, ``"a vs b"`` is the worst ``max |a-b|/(1+|b|)`` between the
     gradients of the two cases, step by step (e.g. deferred vs every-micro-batch
     sync of the same model and data).
@@ -322,8 +342,8 @@ def accumulation_cases(rank, world, framework, family, cases, pairs=(), fused=Fa
     out = {}
     for name, patches, policy, sync, steps in cases:
         try:
-            out[name] = _one_case(rank, world, framework, family, fused, patches, policy, sync,
-                                  STEPS if steps == "mixed" else TEXT_STEPS, chunked)
+            kinds = {"mixed": STEPS, "text": TEXT_STEPS}.get(steps, steps)
+            out[name] = _one_case(rank, world, framework, family, fused, patches, policy, sync, kinds, chunked)
         except Exception as exc:  # a harness failure, not a training failure: report, go on
             out[name] = {"error": "harness: %s: %s" % (type(exc).__name__, first_line(exc)), "grads": []}
         finally:

@@ -222,13 +222,16 @@ def classify(target, version, read):
         fp = guards.fingerprint_source(text, target.attr)
     except (LookupError, SyntaxError, ValueError) as exc:
         return "unclassified", "%s.%s: %s" % (target.module, target.attr, exc)
-    for label, known in target.fingerprints.items():
-        if known == fp:
-            first, last = (Version(v) for v in _label_range(label))
-            if first <= Version(version) <= last:
-                return "covered", label
-            return "mislabelled", "code of the %s release (fingerprint %s), but %s is outside that label" % (
-                label, fp, version)
+    # The same code may come back after a release that changed it (transformers' Qwen3-VL forward: 4.57.0-4.57.1,
+    # other code in 4.57.2-4.57.3, the first again from 4.57.4): one label per stretch, any may cover the release.
+    matching = [label for label, known in target.fingerprints.items() if known == fp]
+    for label in matching:
+        first, last = (Version(v) for v in _label_range(label))
+        if first <= Version(version) <= last:
+            return "covered", label
+    if matching:
+        return "mislabelled", "code of the %s release (fingerprint %s), but %s is outside that label" % (
+            " / ".join(matching), fp, version)
     return "unclassified", "new code: fingerprint %s (recorded: %s)" % (
         fp, ", ".join("%s=%s" % kv for kv in target.fingerprints.items()))
 

@@ -161,8 +161,10 @@ def test_check_shows_accelerates_tail_unit_bugs_and_the_fix(python):
         """
         import sys
         from fsdp2_compat.tooling import check
+        from fsdp2_compat.tooling import mixed
         for name in ("selection_cases", "fused_cases", "trl_cases", "engine_cases"):
             setattr(check, name, lambda families=None: [])
+        mixed.cases = lambda versions, families=None: []  # the mixed-ranks rows: their own test
         from fsdp2_compat.cli import main
         sys.exit(main(["check", "--json", "--families", "qwen2_5_vl,qwen2"]))
         """
@@ -177,3 +179,16 @@ def test_check_shows_accelerates_tail_unit_bugs_and_the_fix(python):
     else:
         assert tied == "ok", tied  # 1.15.0 carries the tied fix: nobody is told they have this bug
     assert all(r["patched"] == "ok" and r["loss_match"] and r["fixed"] for r in rows.values()), rows
+
+
+@needs_framework
+def test_check_shows_mixed_ranks_abort_unpatched_and_the_dp_average_patched(python):
+    """rank 0 an image, rank 1 text only, through each wrapping framework (``tooling.mixed``)."""
+    from fsdp2_compat.tooling import check, mixed
+
+    report = _check_json(python, check.MIXED_FAMILY)
+    rows = [r for r in report["rows"] if r["kind"] == check.MIXED_KIND]
+    assert {r["framework"] for r in rows} == set(FRAMEWORKS), report["rows"]
+    for row in rows:
+        assert row["unpatched"].startswith("gloo: ") and mixed.GLOO_MISMATCH in row["unpatched"], row
+        assert row["patched"] == "ok" and row["fixed"] and row["patch"] == "qwen2vl", row

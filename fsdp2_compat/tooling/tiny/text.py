@@ -31,3 +31,18 @@ def with_placeholders(gen, batch_size: int, pre: int, span: list[int], post: int
         labels.append(lab)
     input_ids = torch.stack(rows)
     return input_ids, torch.ones_like(input_ids), torch.stack(labels)
+
+
+def text_only(batch: dict, seed: int) -> dict:
+    """``batch`` with every special token (image placeholder, markers) replaced by a text id and no media
+    inputs: the text-only micro-batch a mixed dataset gives one rank while another gets an image."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    ids = batch["input_ids"].clone()
+    special = ids >= TEXT_TOKENS_MAX
+    ids[special] = torch.randint(3, TEXT_TOKENS_MAX, (int(special.sum()),), generator=gen)
+    out = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    if "mm_token_type_ids" in batch:
+        out["mm_token_type_ids"] = torch.zeros_like(batch["mm_token_type_ids"])
+    return out

@@ -1,0 +1,283 @@
+"""Mixed text/image micro-batches across data-parallel ranks: every rank runs the vision tower.
+
+The bug (the third FSDP2 bug class; TRL issue #3934, miles #2406, torchtitan
+#4777): FSDP2 all-gathers a unit's parameters in that unit's forward and
+reduce-scatters its gradient in backward, and both are collectives every rank
+must issue in the same order.  The frameworks give a VLM's vision blocks units
+of their own (they are ``_no_split_modules`` layer classes), and the
+transformers model forward runs the vision tower only when its micro-batch has
+``pixel_values``.  When one rank's micro-batch is text-only and another's has
+an image, the first skips every vision unit's all-gather: NCCL hangs until its
+watchdog, gloo aborts ("Received data size doesn't match expected size").  Even
+with no vision unit of its own, the enclosing unit reduce-scatters a shorter
+gradient list on the text-only rank (its vision parameters have no gradient).
+
+The fix: on a micro-batch without media, the model's own image path runs on a
+minimal dummy image (zeros, one merged token: a ``[1, m, m]`` patch grid for
+spatial merge size ``m``) and ``0 * sum(every floating output)`` is added to
+the input embeddings.  Every vision unit then all-gathers in forward and
+reduce-scatters in backward exactly as on an image rank, in the same order
+(the dummy runs right after the token embedding, where the real image path
+runs, and it joins the graph at the input embeddings, as the real features
+do), and it contributes an exact zero to every gradient, so the reduced
+gradient is the data-parallel average of the real micro-batches.  This is
+what verl's own model forwards do ("handle mixed text-image data" in
+``verl/models/transformers/qwen2_vl.py``, ``qwen3_vl.py``, ``glm4v.py``).
+
+Why the seam is the transformers base model's ``forward``
+(``Qwen2_5_VLModel.forward`` and its siblings; targets in
+``fsdp2_compat.integrations.transformers_media``): it is the one function
+every trainer calls (TRL and the HF ``Trainer`` through accelerate, SkyRL's
+``HFModelWrapper``, AReaL, LLaMA-Factory), whatever wraps the model, and it is
+where the decision to skip the tower is made.  ``get_image_features`` is not
+called at all on a text-only batch, and a hook installed where each framework
+wraps the model would need one seam per framework.  verl replaces this
+``forward`` with its own (``apply_monkey_patch``), which already runs the
+dummy: there our wrapper is no longer on the class and does nothing (no second
+dummy).  ``needed_for`` says so for a model instance.
+
+How, without re-implementing the forward: the wrapper (``wrapt``) leaves
+transformers' code as released.  For the duration of one call it hooks the
+token embedding module (``get_input_embeddings()``): the hook runs the dummy
+through the model's own ``get_image_features`` and adds the zero to the
+embedding output.  A caller that passes ``inputs_embeds`` gets the zero added
+to them before the call.  Cost: only when torch.distributed is initialised
+with more than one rank, the micro-batch has no media, the call is not a
+cached decoding step (every rank decodes without media), and the vision tower
+holds FSDP2-sharded parameters (units of its own or an enclosing unit).  The
+dummy's forward is a few patches through the tower (``benchmarks/mixed_ranks.py``
+measures it); its collectives are those of one image micro-batch.
+
+Fails safe: the targets are fingerprinted per transformers release (the wrapper
+relies on the embedding being called before the tower, on the media argument
+names and on ``get_image_features``); a model whose tower or config this module
+does not know (no ``visual``, a vision config without the patch geometry) is
+left alone, with one warning per class naming why.  Revert restores
+transformers' methods.
+
+Delete when: transformers (or every trainer you run) keeps every rank in the
+vision tower's collectives on text-only micro-batches, or torch FSDP2 tolerates
+a unit that one rank skips.
+"""
+
+import weakref
+
+# Inputs that carry media into the base model forward of the families below.
+MEDIA_INPUTS = ("pixel_values", "pixel_values_videos")
+
+# How many dummy vision forwards ran in this process (tests and benchmarks read it).
+STATS = {"dummy_forwards": 0}
+
+_SHARDED = weakref.WeakKeyDictionary()  # tower -> True once found FSDP2-managed
+_WARNED = set()
+
+
+def _distributed_world():
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size()
+
+
+def _enclosing_unit_manages(tower):
+    """True when some ``fully_shard`` unit that contains ``tower`` (the root, say) manages its parameters."""
+    try:
+        from torch.distributed._composable_state import _get_module_state, _module_state_mapping
+        from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+    except ImportError:  # torch without FSDP2's composable state
+        return False
+    for module in list(_module_state_mapping.keys()):  # the values are (weak references to) the states
+        if isinstance(_get_module_state(module), FSDPState) and any(sub is tower for sub in module.modules()):
+            return True
+    return False
+
+
+def tower_is_sharded(tower):
+    """True when FSDP2 manages parameters of ``tower``: units inside it, or a unit around it."""
+    if _SHARDED.get(tower):
+        return True
+    from torch.distributed.fsdp import FSDPModule
+
+    found = any(isinstance(m, FSDPModule) for m in tower.modules()) or _enclosing_unit_manages(tower)
+    if found:
+        _SHARDED[tower] = True
+    return found
+
+
+def _tower(model):
+    return getattr(model, "visual", None)
+
+
+def _geometry(model):
+    """``(channels * temporal patch * patch**2, spatial merge size)`` of the vision config, or a reason string."""
+    vision = getattr(getattr(model, "config", None), "vision_config", None)
+    if vision is None:
+        return "its config has no vision_config"
+    channels = getattr(vision, "in_channels", None) or getattr(vision, "in_chans", None)
+    temporal = getattr(vision, "temporal_patch_size", None)
+    patch = getattr(vision, "patch_size", None)
+    merge = getattr(vision, "spatial_merge_size", None)
+    if not all(isinstance(v, int) and v > 0 for v in (channels, temporal, patch, merge)):
+        return "its vision_config lacks in_channels / temporal_patch_size / patch_size / spatial_merge_size"
+    return channels * temporal * patch * patch, merge
+
+
+def unknown_tower(model):
+    """Why the dummy cannot be built for ``model`` (None when it can)."""
+    if _tower(model) is None:
+        return "it has no `visual` tower"
+    geometry = _geometry(model)
+    return geometry if isinstance(geometry, str) else None
+
+
+def _warn_unknown(model, why):
+    cls = type(model).__name__
+    if cls in _WARNED:
+        return
+    _WARNED.add(cls)
+    import logging
+    import warnings
+
+    line = ("fsdp2-compat: mixed text/image ranks: %s is left alone (%s); a text-only micro-batch on one rank "
+            "and an image on another will stall its FSDP2 collectives" % (cls, why))
+    logging.getLogger("fsdp2_compat").warning(line)
+    warnings.warn(line, UserWarning, stacklevel=4)
+
+
+def needed_for(model):
+    """Whether a text-only micro-batch of ``model`` gets the dummy vision forward now, and why (a string).
+
+    ``(True, "")`` or ``(False, reason)``: not distributed, the tower is not
+    sharded, the class's forward is not ours (verl installed its own, which
+    runs its own dummy), or the tower is unknown.
+    """
+    from ..core import engine
+
+    forward = type(model).__dict__.get("forward")
+    if forward is None or not engine.is_ours(forward):
+        return False, "%s.forward is not fsdp2-compat's (verl's apply_monkey_patch installs its own, which runs its " \
+                      "own dummy vision forward), or the patch is off" % type(model).__name__
+    why = unknown_tower(model)
+    if why:
+        return False, why
+    if _distributed_world() <= 1:
+        return False, "torch.distributed is not initialised with more than one rank"
+    if not tower_is_sharded(_tower(model)):
+        return False, "no FSDP2 unit manages the vision tower"
+    return True, ""
+
+
+def zero_contribution(model, device):
+    """``0 * sum(every floating output)`` of the model's own image path on a minimal dummy image (a 0-dim tensor)."""
+    import torch
+
+    width, merge = _geometry(model)
+    pixels = torch.zeros(merge * merge, width, device=device)
+    grid = torch.tensor([[1, merge, merge]], dtype=torch.long, device=device)
+    STATS["dummy_forwards"] += 1
+    out = model.get_image_features(pixels, grid)
+    total = None
+    for t in _floating(out):
+        term = (t * 0).sum()
+        total = term if total is None else total + term
+    return total
+
+
+def _floating(value):
+    """Every floating-point tensor in an output (tensors, tuples, lists, dicts and ``ModelOutput``s)."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point():
+            yield value
+    elif isinstance(value, dict):  # ModelOutput is an OrderedDict
+        for v in value.values():
+            yield from _floating(v)
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _floating(v)
+
+
+def _with_zero(embeds, zero):
+    return embeds if zero is None else embeds + zero.to(embeds.dtype)
+
+
+def _decoding(past_key_values):
+    """A cached decoding step (every rank decodes without media: nothing to align)."""
+    get = getattr(past_key_values, "get_seq_length", None)
+    try:
+        return bool(get and get() > 0)
+    except Exception:
+        return False
+
+
+_SIGNATURES = {}
+
+
+def _bound(wrapped, bound_method, args, kwargs):
+    """``inspect.signature(wrapped).bind_partial`` (cached per function; a bound method has no ``self``)."""
+    import inspect
+
+    key = (getattr(wrapped, "__func__", wrapped), bound_method)
+    sig = _SIGNATURES.get(key)
+    if sig is None:
+        sig = _SIGNATURES[key] = inspect.signature(wrapped)
+    return sig.bind_partial(*args, **kwargs)
+
+
+def _forward(wrapped, instance, args, kwargs):
+    """Around ``<Family>Model.forward(self, ...)``: a text-only micro-batch runs the dummy image path.
+
+    Called through an instance, ``wrapped`` is bound; through the class
+    (``Cls.forward(model, ...)``), ``self`` is ``args[0]``.
+    """
+    if instance is None and not args:
+        return wrapped(*args, **kwargs)
+    model = instance if instance is not None else args[0]
+    if _distributed_world() <= 1:
+        return wrapped(*args, **kwargs)
+    try:
+        bound = _bound(wrapped, instance is not None, args, kwargs)
+    except TypeError:
+        return wrapped(*args, **kwargs)  # let transformers report the bad call
+    given = bound.arguments
+    extra = given.get("kwargs") or {}
+    media = any(given.get(n, extra.get(n)) is not None for n in MEDIA_INPUTS)
+    # transformers 5.24+: features computed before the call (the tower ran elsewhere: nothing to align here)
+    media = media or bool(given.get("mm_encoder_outputs", extra.get("mm_encoder_outputs")))
+    cache = next((given.get(n, extra.get(n)) for n in ("past_key_values", "cache")
+                  if given.get(n, extra.get(n)) is not None), None)  # "cache" from transformers 5.24
+    if media or _decoding(cache):
+        return wrapped(*args, **kwargs)
+    why = unknown_tower(model)
+    if why:
+        _warn_unknown(model, why)
+        return wrapped(*args, **kwargs)
+    if not tower_is_sharded(_tower(model)):
+        return wrapped(*args, **kwargs)
+    embeds = given.get("inputs_embeds")
+    if embeds is not None:
+        given["inputs_embeds"] = _with_zero(embeds, zero_contribution(model, embeds.device))
+        return wrapped(*bound.args, **bound.kwargs)
+    done = []
+
+    def add_zero(module, inputs, output):
+        if done:
+            return None
+        done.append(True)
+        return _with_zero(output, zero_contribution(model, output.device))
+
+    handle = model.get_input_embeddings().register_forward_hook(add_zero)
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        handle.remove()
+
+
+def forward_seam(module, attr):
+    """Seam for ``<transformers model module>:<Family>Model.forward``."""
+    import wrapt
+
+    cls_name, _, method = attr.partition(".")
+    return {attr: wrapt.FunctionWrapper(module.__dict__[cls_name].__dict__[method], _forward)}

@@ -1,0 +1,215 @@
+"""transformers: the base model forwards that skip the vision tower on a text-only micro-batch.
+
+One target per family: ``transformers.models.<family>.modeling_<family>``,
+``<Family>Model.forward`` (the module under ``<Family>ForConditionalGeneration.model``
+that runs the token embedding, then the vision tower when it is given
+``pixel_values`` / ``pixel_values_videos``).  The fix code is
+``fsdp2_compat.fixes.mixed_media`` (why this seam, the mechanism, how it fails safe).
+
+Releases (every published transformers release was read, see ``FORWARD_FINGERPRINTS``):
+- fingerprinted: 4.57.0-5.24.0 (the newest), each release's code of the
+  forward, where it was checked to call the token embedding before the tower,
+  to take the media as ``pixel_values`` / ``pixel_values_videos`` and to have
+  ``get_image_features(pixel_values, image_grid_thw)`` on the same class
+  (5.24.0 also takes precomputed ``mm_encoder_outputs``: media, no dummy; and
+  calls its cache ``cache``);
+- declared: releases without the family's module;
+- unsupported (the bug is there, the patch refuses loudly): the releases between
+  the family's first one and 4.57.0 (older code, not read for this fix).
+Later releases are unknown code until fingerprinted: refused with a warning.
+Proven on real FSDP2 (tests/integrations/test_mixed_ranks.py) on the pinned
+releases in ``PROVEN`` for the families with a tiny model; identical code
+elsewhere applies with a note.
+
+Upstream: TRL issue #3934, miles #2406, torchtitan #4777 (the hang); handled in
+verl's own forwards, LLaMA-Factory's v0 collator (#6233), prime-rl #1959,
+cosmos-rl #606.  Delete when transformers keeps every rank in the tower's
+collectives, or torch FSDP2 tolerates a unit one rank skips.
+"""
+
+from ..core.records import Integration, Target
+
+# transformers wraps nothing and is not a framework: it holds the forwards the patch wraps.
+INTEGRATION = Integration(dist="transformers", package="transformers", wrap_module=None)
+
+# Proven on real FSDP2 (tests/integrations/test_mixed_ranks.py) with 5.3.0 and 5.8.0 (5.4.0-5.8.1 share
+# 5.8.0's code) for the families with a tiny model there; 4.57.6 (tf4) passes the same tests, outside this
+# one specifier (it applies with the "not in the proven range" note).  Families without a tiny model
+# here (Qwen2-VL, Qwen3-VL-MoE, GLM-4.5V, GLM-4.6V, Qwen3.5-MoE) have no proven range: their
+# fingerprinted code applies with that note.
+PROVEN = ">=5.3.0,<=5.8.1"
+UNPROVEN = "<0"  # no release
+_TESTED = ("qwen2_5_vl", "qwen3_vl", "glm4v", "qwen3_5")
+_SEAM = "fsdp2_compat.fixes.mixed_media:forward_seam"
+_WHAT = "vision tower skipped on a text-only micro-batch (%s)"
+
+# family -> (base model class, first release with the module)
+FAMILIES = {
+    "qwen2_vl": ("Qwen2VLModel", "4.45.0"),
+    "qwen2_5_vl": ("Qwen2_5_VLModel", "4.49.0"),
+    "qwen3_vl": ("Qwen3VLModel", "4.57.0"),
+    "qwen3_vl_moe": ("Qwen3VLMoeModel", "4.57.0"),
+    "glm4v": ("Glm4vModel", "4.53.0"),
+    "glm4v_moe": ("Glm4vMoeModel", "4.56.0"),
+    "glm46v": ("Glm46VModel", "5.0.0rc0"),
+    "qwen3_5": ("Qwen3_5Model", "5.2.0"),
+    "qwen3_5_moe": ("Qwen3_5MoeModel", "5.2.0"),
+}
+
+# family -> {release label: fingerprint of <Family>Model.forward}, read from every wheel 4.57.0-5.24.0
+FORWARD_FINGERPRINTS = {
+    "qwen2_vl": {
+        "4.57.0-5.0.0rc0": "6ff9c468bc6f2503",
+        "5.0.0rc1-5.0.0rc2": "0e54d47652245890",
+        "5.0.0rc3": "850436a4c9c523ef",
+        "5.0.0-5.1.0": "76dc664c106aa649",
+        "5.2.0": "ffd7c999b9527652",
+        "5.3.0": "a18b28518ae008b4",
+        "5.4.0-5.8.1": "ffa7c5cc5e5586f5",
+        "5.9.0-5.10.0": "05e37e09771d2ff8",
+        "5.10.1-5.14.1": "78bfd2cdb5d0b4e1",
+        "5.15.0-5.17.0": "a8da1c1ae13f33ab",
+        "5.18.0-5.22.2": "44255a1e6513e4ac",
+        "5.23.0": "2ef1a7a1dbb97733",
+        "5.24.0": "f85545d9fc31e17c",
+    },
+    "qwen2_5_vl": {
+        "4.57.0-4.57.6": "bd96bbc289d3e759",
+        "5.0.0rc0": "0b34b0d0e59f4acf",
+        "5.0.0rc1-5.0.0rc2": "944fe56c6ffb4e69",
+        "5.0.0rc3": "651aea6fd5d983b1",
+        "5.0.0-5.1.0": "55c392ef51b4ac5d",
+        "5.2.0": "93053a61ffe931d1",
+        "5.3.0": "769eaf704e317240",
+        "5.4.0-5.8.1": "e19a168642b4f3e1",
+        "5.9.0-5.10.0": "4717c7fbbe2de1e7",
+        "5.10.1-5.14.1": "2298b0b05991aa49",
+        "5.15.0-5.17.0": "adb6fdf588c567c6",
+        "5.18.0-5.22.2": "1aff4141ece9358e",
+        "5.23.0": "a5c0acca6d58e97d",
+        "5.24.0": "c1e21caf227dab30",
+    },
+    "qwen3_vl": {
+        "4.57.0-4.57.1": "2982eaec381205f0",
+        "4.57.2-4.57.3": "5c4ad0caa9264e81",
+        "4.57.4-5.0.0rc0": "2982eaec381205f0",
+        "5.0.0rc1-5.0.0rc2": "9a8bde2fac3f17dc",
+        "5.0.0rc3": "ca8ef80021628d30",
+        "5.0.0-5.1.0": "e0ee08de93796fd1",
+        "5.2.0": "44d83f0048772a05",
+        "5.3.0": "e2d2a296f1531c24",
+        "5.4.0-5.8.1": "5a473104ef48a223",
+        "5.9.0-5.17.0": "62f609444d38a3ab",
+        "5.18.0-5.22.2": "cffa65c2a3c6d183",
+        "5.23.0": "ddda523e573acc2f",
+        "5.24.0": "cee337fc955dcbc5",
+    },
+    "qwen3_vl_moe": {
+        "4.57.0-4.57.1": "de0ce736d4cb4694",
+        "4.57.2-4.57.3": "465ae14859530898",
+        "4.57.4-5.0.0rc0": "de0ce736d4cb4694",
+        "5.0.0rc1-5.0.0rc2": "e2face5f40f4b4a1",
+        "5.0.0rc3": "7d4f42ea624f9f62",
+        "5.0.0-5.1.0": "a0aa630ff48a1135",
+        "5.2.0": "bda929d15da69bdf",
+        "5.3.0": "f86e6cb391209b4e",
+        "5.4.0-5.8.1": "2e17e272ca4d89b2",
+        "5.9.0-5.17.0": "7da6363acb44363b",
+        "5.18.0-5.22.2": "d745a3110878b988",
+        "5.23.0": "ddda523e573acc2f",
+        "5.24.0": "5004083bdf75d4f1",
+    },
+    "glm4v": {
+        "4.57.0-5.0.0rc2": "c85657bde2e427cf",
+        "5.0.0rc3": "e30c327afdc93f40",
+        "5.0.0-5.1.0": "c1f6693ea179a2bb",
+        "5.2.0": "aa08d3ee50293253",
+        "5.3.0": "5b6497ebcf1aa5a8",
+        "5.4.0-5.8.1": "1c9d2b6b11fa2148",
+        "5.9.0-5.10.0": "6cd801a22cd878fe",
+        "5.10.1-5.14.1": "e16b0257cba2823f",
+        "5.15.0-5.17.0": "ba0cf2419f18d381",
+        "5.18.0-5.22.2": "aefe475de31eebc3",
+        "5.23.0": "8028a9e88e78dc3b",
+        "5.24.0": "3834d169d48a3463",
+    },
+    "glm4v_moe": {
+        "4.57.0-5.0.0rc2": "79ecd10c01a5899f",
+        "5.0.0rc3": "f8cd60ef4abc6c8b",
+        "5.0.0-5.1.0": "9710ce9705c61d9f",
+        "5.2.0": "95d7868713e8fdd4",
+        "5.3.0": "4a02317a9c7c51f2",
+        "5.4.0-5.8.1": "6b0a51e155d97b19",
+        "5.9.0-5.10.0": "7a71d006084863d1",
+        "5.10.1-5.14.1": "b905a4b6506cffb2",
+        "5.15.0-5.17.0": "8ec62b6612b58366",
+        "5.18.0-5.22.2": "dc6bd85cd9ecbb76",
+        "5.23.0": "8028a9e88e78dc3b",
+        "5.24.0": "6bad4e2a34186760",
+    },
+    "glm46v": {
+        "5.0.0rc0-5.0.0rc2": "754bc91b5068a622",
+        "5.0.0rc3": "c77b068952f98e88",
+        "5.0.0-5.1.0": "2c50ddbb8b4aeee9",
+        "5.2.0": "0a4691f05b6cec33",
+        "5.3.0": "7a1218008873b96a",
+        "5.4.0-5.8.1": "cd709b6a72b34e65",
+        "5.9.0-5.10.0": "4624b242c535469d",
+        "5.10.1-5.14.1": "196cbaf76b9540be",
+        "5.15.0-5.17.0": "33e101b4b8f38006",
+        "5.18.0-5.22.2": "9aa4b22442ae7bd2",
+        "5.23.0": "8028a9e88e78dc3b",
+        "5.24.0": "3834d169d48a3463",
+    },
+    "qwen3_5": {
+        "5.2.0": "19631d870e03bd2e",
+        "5.3.0": "161ab83b803d82c7",
+        "5.4.0-5.8.1": "2d10da9a5a20af27",
+        "5.9.0-5.17.0": "13795bc509baed50",
+        "5.18.0-5.22.2": "54e9b9a8b377e8be",
+        "5.23.0": "2ef1a7a1dbb97733",
+        "5.24.0": "f85545d9fc31e17c",
+    },
+    "qwen3_5_moe": {
+        "5.2.0": "9d792af60e021e8e",
+        "5.3.0": "346f96b1e407e2eb",
+        "5.4.0-5.8.1": "8aa62069641b3244",
+        "5.9.0-5.17.0": "210bca842d54e920",
+        "5.18.0-5.22.2": "0ec5e24bf6392db4",
+        "5.23.0": "acc02c61eba214c6",
+        "5.24.0": "08be9257c0efd620",
+    },
+}
+
+
+SYMPTOM = ("one rank's micro-batch text-only and another's with an image (any framework but verl's own forwards): "
+           "the vision units' FSDP2 collectives differ across ranks, NCCL **hangs**, gloo aborts (`Received data "
+           "size doesn't match expected size`)")
+
+
+def _target(family):
+    cls, first = FAMILIES[family]
+    unsupported = {}
+    if first != "4.57.0":
+        unsupported[">=%s,<4.57.0" % first] = (
+            "%s.forward of releases before 4.57.0 was not read for the mixed-ranks fix (the tower is skipped on "
+            "text-only micro-batches there too)" % cls)
+    return Target(
+        dist="transformers",
+        module="transformers.models.%s.modeling_%s" % (family, family),
+        attr=cls + ".forward",
+        versions=PROVEN if family in _TESTED else UNPROVEN,
+        fingerprints=FORWARD_FINGERPRINTS[family],
+        seam=_SEAM,
+        what=_WHAT % family,
+        declared={"<%s" % first: "no transformers.models.%s module" % family},
+        unsupported=unsupported,
+        symptom=SYMPTOM,
+    )
+
+
+QWEN2_VL = (_target("qwen2_vl"), _target("qwen2_5_vl"))
+QWEN3_VL = (_target("qwen3_vl"), _target("qwen3_vl_moe"))
+GLM4V = (_target("glm4v"), _target("glm4v_moe"), _target("glm46v"))
+QWEN3_5 = (_target("qwen3_5"), _target("qwen3_5_moe"))
+TARGETS = QWEN2_VL + QWEN3_VL + GLM4V + QWEN3_5

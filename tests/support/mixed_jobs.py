@@ -1,0 +1,71 @@
+"""Rank functions for the mixed text/image ranks proofs (``tests/integrations/test_mixed_ranks.py``).
+
+The cases themselves are ``accum_jobs.accumulation_cases`` with steps whose
+micro-batch kinds differ across ranks (``accum_jobs.rank_kinds``).  A
+collective mismatch makes gloo abort the rank process from a C++ thread
+(``gloo::EnforceNotMet``, SIGABRT): nothing can be reported back, so
+``with_stderr_file`` sends the rank's stderr to a file the test reads.
+"""
+
+def with_stderr_file(rank, world, directory, *args, **kwargs):
+    """``per_family(rank, world, *args)`` with this rank's fd 2 in ``directory/rank<N>.err``."""
+    from fsdp2_compat.tooling.mixed import stderr_to_file
+
+    stderr_to_file(directory, rank)
+    return per_family(rank, world, *args, **kwargs)
+
+
+def per_family(rank, world, framework, families, cases, **kwargs):
+    """``{family: accum_jobs.accumulation_cases(...)}``: every family in one pair of rank processes
+    (the framework is imported once).  In ``cases``, the patches ``"user"`` are the family's catalogue
+    patch and ``"user-without-mixed"`` that patch without its mixed-ranks targets."""
+    from fsdp2_compat import registry
+    from support import accum_jobs
+
+    out = {}
+    for family in families:
+        name = registry.for_model_type(family).name
+        named = {"user": [name], "user-without-mixed": ["t-%s-without-mixed" % name]}
+        out[family] = accum_jobs.accumulation_cases(
+            rank, world, framework, family, [(n, named.get(p, p), *rest) for n, p, *rest in cases], **kwargs)
+    return out
+
+
+def root_unit_only(rank, world, directory, patches):
+    """Qwen2.5-VL with one FSDP2 unit for the whole model (``fully_shard(model)``, no layer units): rank 0 an
+    image, rank 1 text only, one step against the DP reference; this rank's stderr in ``directory``."""
+    import copy
+
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import fsdp2_compat
+    from fsdp2_compat.fixes import mixed_media
+    from fsdp2_compat.tooling import tiny
+    from fsdp2_compat.tooling.mixed import stderr_to_file
+    from fsdp2_compat.tooling.scenarios import train_against_reference, wrapped_module_names
+    from fsdp2_compat.tooling.tiny.text import text_only
+
+    stderr_to_file(directory, rank)
+    if patches:
+        fsdp2_compat.apply(patches)
+    model = tiny.build("qwen2_5_vl", tie=False, seed=0)
+    reference = copy.deepcopy(model)
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    result = {"wrapped": wrapped_module_names(model), "error": None, "losses": [], "loss_err": 0.0,
+              "grad_err": 0.0, "worst_grad": None, "param_err": 0.0, "grads_checked": 0, "lm_head_grad_err": 0.0}
+    before = mixed_media.STATS["dummy_forwards"]
+
+    def batches_for(step):
+        batches = [tiny.make_batch("qwen2_5_vl", reference, seed=1 + r) for r in range(world)]
+        return [b if r == 0 else text_only(b, seed=1000 + r) for r, b in enumerate(batches)]
+
+    def loss_of(module, batch):
+        out = module(**batch)
+        return out.loss, out
+
+    torch.manual_seed(0)
+    train_against_reference(model, reference, rank, world, result, batches_for, loss_of, steps=1)
+    result["dummy_forwards"] = mixed_media.STATS["dummy_forwards"] - before
+    return result
