@@ -60,9 +60,18 @@ def rel_err(actual, expected):
 
     A pure relative error is meaningless for gradients that are zero up to
     rounding (e.g. attention key biases, which softmax ignores).
+
+    ``None`` (torch's "no gradient") equals an exactly-zero gradient: the
+    mixed-ranks fix gives a vision tower a text-only micro-batch skipped an
+    exact zero (its collectives must run on every rank), where the unsharded
+    reference, which skips the tower, has none.  Any non-zero value against
+    ``None`` is still an infinite error.
     """
     if actual is None or expected is None:
-        return 0.0 if actual is None and expected is None else float("inf")
+        other = expected if actual is None else actual
+        if other is None or not bool(other.detach().ne(0).any()):
+            return 0.0
+        return float("inf")
     actual = actual.detach().float()
     expected = expected.detach().float()
     if not actual.numel():

@@ -228,11 +228,11 @@ def train_trl(rank, world, family, path, patches, bf16=False, steps=2, lr=0.05, 
 
     ``convention`` (``distill`` only): how ``compute_loss`` reaches ``_compute_loss``
     (``tooling.conventions``: a subclass override calling the base that way)."""
-    import fsdp2_compat
+    from fsdp2_compat.tooling import subset
 
     rank_env(rank, world)
     if patches:
-        fsdp2_compat.apply(patches)
+        subset.apply(patches)  # patch names, or exact target keys (test_diffs' oracle)
     seen, recording = [], [False]
     with cpu_fsdp(), kernel_spy(seen, recording):
         result = _train(rank, world, family, path, bf16, steps, lr, recording, convention)

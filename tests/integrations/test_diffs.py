@@ -28,6 +28,7 @@ import pytest
 
 from fsdp2_compat import integrations, registry
 from fsdp2_compat.core import engine, guards
+from fsdp2_compat.integrations import trl as trl_integration
 from fsdp2_compat.tooling.scenarios import tie_flag_refusal
 from support import diffs, releases
 from support import oracle as oracle_jobs
@@ -272,7 +273,10 @@ def _jobs(tree, patches):
         args = [modules, [f for f in REAL_FAMILIES if f in families], tree, patches, sensitive]
         jobs.append(("fused", "fused_lm_head", 2, args))
     if "trl" in ORACLE_DISTS:
-        jobs += [("trl:%s:%s" % c, "trl_case", 2, [c[0], c[1], tree, patches]) for c in TRL_CASES]
+        # The runtime side runs TRL's own targets: the patches/ diffs are TRL's (the family patches also carry
+        # accelerate's tail-unit and transformers' mixed-ranks targets, which have no diffs and change the units).
+        trl_targets = [t.key for t in trl_integration.TARGETS] if runtime else None
+        jobs += [("trl:%s:%s" % c, "trl_case", 2, [c[0], c[1], tree, trl_targets]) for c in TRL_CASES]
         if runtime:  # upstream without the fix, to show the comparison can tell
             jobs.append(("trl-unpatched:qwen3_vl:sft", "trl_case", 2, ["qwen3_vl", "sft", None, None]))
     return jobs

@@ -175,11 +175,11 @@ def async_distill_step(rank, world, family, patches, steps=2, lr=0.05, conventio
     """``AsyncDistillationTrainer.compute_loss`` on an accelerate-prepared student vs the DP-average reference.
 
     ``convention``: how ``compute_loss`` reaches ``_compute_loss`` (``tooling.conventions``)."""
-    import fsdp2_compat
+    from fsdp2_compat.tooling import subset
 
     rank_env(rank, world)
     if patches:
-        fsdp2_compat.apply(patches)
+        subset.apply(patches)  # patch names, or exact target keys (test_diffs' oracle)
     with cpu_fsdp():
         return _async_distill_step(rank, world, family, steps, lr, convention)
 
