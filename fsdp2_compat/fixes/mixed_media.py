@@ -48,6 +48,14 @@ holds FSDP2-sharded parameters (units of its own or an enclosing unit).  The
 dummy's forward is a few patches through the tower (``benchmarks/mixed_ranks.py``
 measures it); its collectives are those of one image micro-batch.
 
+Side effect, by design (verl's own forwards have it too): a rank cannot know
+whether another rank has an image without a collective of its own, so a
+text-only micro-batch always runs the dummy, and on a step where *every* rank
+is text-only the tower's parameters get exactly-zero gradients instead of
+none.  Plain SGD ignores the difference; an optimizer with weight decay or
+momentum (AdamW) then updates the tower as it does on any step where some
+other rank's image reached it.
+
 Fails safe: the targets are fingerprinted per transformers release (the wrapper
 relies on the embedding being called before the tower, on the media argument
 names and on ``get_image_features``); a model whose tower or config this module
