@@ -312,6 +312,7 @@ def train_fused(rank, world, family, patches, steps=2, mesh_shape=None, bf16=Fal
         "param_err": 0.0,
         "kernel_weights": seen,
         "vision_calls": 0,  # did the vision tower run in the sharded forward?
+        "dummy_forwards": 0,  # ... of which the mixed-ranks fix's zero-contribution dummies (no image)
         "warnings": [],  # fsdp2-compat's own warnings during the sharded forwards
     }
     def count_vision_call(*_):
@@ -346,7 +347,11 @@ def train_fused(rank, world, family, patches, steps=2, mesh_shape=None, bf16=Fal
     def compare(out, ref_out):
         result["logprob_err"] = max(result["logprob_err"], rel_err(out.log_probs, ref_out.log_probs))
 
+    from fsdp2_compat.fixes import mixed_media
+
+    dummies = mixed_media.STATS["dummy_forwards"]  # only the sharded model runs them (its tower is sharded)
     try:
         return train_against_reference(model, reference, rank, world, result, batches_for, loss_of, steps, lr, compare)
     finally:
+        result["dummy_forwards"] = mixed_media.STATS["dummy_forwards"] - dummies
         torch_functional.FusedLinearForPPO.forward = original_forward
