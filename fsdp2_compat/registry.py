@@ -308,24 +308,3 @@ def siblings(target, patch_names):
                     and other.module == target.module and other not in out):
                 out.append(other)
     return out
-
-
-def where(p):
-    """``[(what, dist, first release, last release)]`` of the code ``p`` covers, from its fingerprints.
-
-    ``what`` is the target's description up to any parenthesis (``"FSDP2 wrap
-    selection (inline loop)"`` and ``"FSDP2 wrap selection"`` are one seam
-    kind); releases come from the fingerprint labels (``"0.6.0-0.7.1"``): the
-    code the patch is known to fit.
-    """
-    from packaging.version import Version
-
-    spans = {}
-    for t in p.targets:
-        what = seam_kind(t)
-        releases = [Version(v) for label in t.fingerprints for v in label.split("-")]
-        lo, hi = spans.get((what, t.dist), (None, None))
-        lo = min([x for x in (lo, min(releases)) if x is not None])
-        hi = max([x for x in (hi, max(releases)) if x is not None])
-        spans[(what, t.dist)] = (lo, hi)
-    return [(what, dist, str(lo), str(hi)) for (what, dist), (lo, hi) in spans.items()]

@@ -31,6 +31,18 @@ def in_range(version, spec):
     return SpecifierSet(spec).contains(version, prereleases=True)
 
 
+def release_spans(target):
+    """``[(first, last)]`` releases (``packaging`` Versions) of each fingerprint label of ``target``:
+    ``"0.6.0-0.7.1"`` names the releases from 0.6.0 to 0.7.1 that have that code."""
+    from packaging.version import Version
+
+    spans = []
+    for label in target.fingerprints:
+        first, _, last = label.partition("-")
+        spans.append((Version(first), Version(last or first)))
+    return spans
+
+
 def _is_proxy(obj):
     """True for a wrapt proxy (fsdp2-compat's seams, or another patcher's): not released code."""
     return any(c.__name__ == "ObjectProxy" for c in type(obj).__mro__)

@@ -41,14 +41,6 @@ def read_model_type(path):
     return model_type, config
 
 
-def _release_spans(target):
-    from packaging.version import Version
-
-    for label in target.fingerprints:
-        lo, _, hi = label.partition("-")
-        yield Version(lo), Version(hi or lo)
-
-
 def classify(target, version):
     """``(verdict, why)`` for ``target`` on installed ``version`` of its distribution.
 
@@ -67,7 +59,7 @@ def classify(target, version):
     if reason is not None:
         return "not covered", reason
     release = Version(version.split("+", 1)[0])
-    if any(lo <= release <= hi for lo, hi in _release_spans(target)):
+    if any(lo <= release <= hi for lo, hi in guards.release_spans(target)):
         proven = "proven on this release" if guards.in_range(version, target.versions) else "code known, proven on %s" % target.versions
         return "fixes", proven
     return "unknown release", "not in the catalogue's records: `fsdp2-compat status` checks its code at import"

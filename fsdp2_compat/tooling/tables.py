@@ -21,14 +21,9 @@ def patch_table():
 
 
 def _spans(targets):
-    from packaging.version import Version
+    from ..core.guards import release_spans
 
-    out = []
-    for t in targets:
-        for label in t.fingerprints:
-            lo, _, hi = label.partition("-")
-            out.append((Version(lo), Version(hi or lo)))
-    return out
+    return [span for t in targets for span in release_spans(t)]
 
 
 def _overlaps(spec, spans):
