@@ -2,6 +2,7 @@
 (the scenario that needs a module will raise its own, readable error)."""
 
 import importlib
+import sys
 
 for _name in (
     "torch",
@@ -27,5 +28,14 @@ for _name in (
 ):
     try:
         importlib.import_module(_name)
+    except Exception:
+        pass
+
+# skyrl 0.2.0+ (set skyrl040: ~2.6 s a rank otherwise).  Only on Python 3.12+, where it is a plain
+# import: below, a failed attempt would leave half-imported skyrl modules behind for every rank, which
+# registers the package itself (tooling.frameworks.ensure_skyrl_backends_package).
+if sys.version_info >= (3, 12):
+    try:
+        importlib.import_module("skyrl.backends.skyrl_train.distributed.fsdp_utils")
     except Exception:
         pass

@@ -72,7 +72,9 @@ def _params():
                 reason = str(tiny.wrappable(family))
             if reason is None and USER_PATCH[family] is None:
                 reason = "no patch for %s" % family
-            marks = [pytest.mark.xdist_group("mixed-%s-%s" % (framework, family))]
+            # One group per framework: ``_patched`` runs every family of a framework in one pair of rank
+            # processes, so all of that framework's cases must share the worker holding its results.
+            marks = [pytest.mark.xdist_group("mixed-%s" % framework)]
             if reason:
                 marks.append(pytest.mark.skip(reason=reason))
             out.append(pytest.param(framework, family, marks=marks, id="%s-%s" % (framework, family)))
