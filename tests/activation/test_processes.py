@@ -840,6 +840,10 @@ gathered = [None] * r["world"]
 dist.all_gather_object(gathered, r)
 if r["rank"] == 0:
     emit(gathered)
+# Leave the group before the interpreter exits: a gloo group torn down at exit can abort a rank
+# ("terminate called without an active exception", SIGABRT), at random.
+dist.barrier()
+dist.destroy_process_group()
 """
 
 
