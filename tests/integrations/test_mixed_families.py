@@ -1,0 +1,160 @@
+"""Mixed text/image ranks (issue #20) on the families ``test_mixed_ranks.py`` does not run: real FSDP2, 2 CPU gloo ranks.
+
+``test_mixed_ranks.py`` proves the fix per framework on Qwen2.5-VL, Qwen3-VL,
+GLM-4.1V and Qwen3.5.  This module proves it per transformers release on the
+other families the fix wraps and the tiny harness builds (GLM-4.5V
+``glm4v_moe``, GLM-4.6V ``glm46v``, Qwen3-VL-MoE ``qwen3_vl_moe``): their
+forwards are separate targets with fingerprints of their own.  Its outcome
+depends on torch and transformers only, so the sharding is one generic
+per-layer-class ``fully_shard`` (``FRAMEWORK``: the first installed framework
+of ``PREFERRED``, whose own ``apply_fsdp2`` / ``parallelize_model`` gives every
+``_no_split_modules`` class a unit; accelerate's FSDP2 preparation where only
+TRL is installed).
+
+One pair of rank processes runs everything (``mixed_jobs.patched_then_unpatched``):
+every family patched (rank 0 image / rank 1 text-only, then the reverse; each
+gradient against the unsharded reference trained on the data-parallel
+average), then one family unpatched (its patch without the mixed-ranks
+targets), which gloo aborts with its collective-mismatch message under a 20 s
+process-group timeout: the abort ends the process, so the unpatched case runs
+last and once (the mechanism is the same for every family; the per-family
+claim is the patched one, and ``test_mixed_ranks.py`` shows the abort per
+framework).
+
+The catalogued families with a media tower the fix does not know are checked
+here too: their patches carry no mixed-ranks target, and the fix says why it
+would leave their tower alone (``mixed_media.unknown_tower``).
+"""
+
+import json
+import os
+import tempfile
+
+import pytest
+
+pytest.importorskip("torch", reason="needs torch (real FSDP2 on CPU gloo)")
+pytest.importorskip("transformers", reason="needs transformers (tiny models)")
+
+from fsdp2_compat import registry  # noqa: E402
+from fsdp2_compat.core import guards  # noqa: E402
+from fsdp2_compat.tooling.ranks import RankError, run_ranks  # noqa: E402
+from support import accum_jobs, mixed_jobs  # noqa: E402
+
+DEPENDS_ON = ("torch", "transformers")
+
+PG_TIMEOUT = 20
+STEPS = ((("image",), ("text",)), (("text",), ("image",)))  # rank 0 image / rank 1 text-only, then the reverse
+MISMATCH = "Received data size doesn't match expected size. Is there a distributed collective mismatch"
+FAMILIES = ("glm4v_moe", "glm46v", "qwen3_vl_moe")
+UNPATCHED_FAMILY = "glm4v_moe"
+# Wrapping frameworks whose generic per-layer-class fully_shard this module uses, the first installed one.
+PREFERRED = ("verl", "skyrl", "skyrl-train", "areal", "llamafactory")
+# Catalogued families with a media tower that the fix does not know (no `visual` with the Qwen/GLM patch grid).
+UNKNOWN_TOWERS = {
+    "lfm2_vl": "it has no `visual` tower",  # SigLIP2 `vision_tower`
+    "paddleocr_vl": "its vision_config lacks in_channels / temporal_patch_size / patch_size / spatial_merge_size",
+    "qwen2_audio": "it has no `visual` tower",  # Whisper-style `audio_tower`
+    "voxtral": "it has no `visual` tower",
+    "audioflamingo3": "it has no `visual` tower",
+}
+
+
+def _framework():
+    """``(framework, None)`` or ``(None, why not)``."""
+    for dist in PREFERRED:
+        if guards.installed_version(dist):
+            return dist, None
+    if guards.installed_version("trl"):
+        return "accelerate", None
+    return None, "no wrapping framework (%s) and no TRL in this pinned set" % ", ".join(PREFERRED)
+
+
+FRAMEWORK, NO_FRAMEWORK = _framework()
+
+
+def _runnable():
+    """``{family: None or the reason it cannot run here}``."""
+    from fsdp2_compat.tooling import tiny
+
+    out = {}
+    for family in FAMILIES:
+        reason = NO_FRAMEWORK
+        if reason is None and tiny.wrappable(family) is not True:
+            reason = str(tiny.wrappable(family))
+        out[family] = reason
+    return out
+
+
+RUNNABLE = _runnable()
+_RESULTS = {}
+
+
+def _run():
+    """``(patched {family: [rank results]}, unpatched [(outcome, stderr)] per rank)``, from one pair of ranks."""
+    if "run" not in _RESULTS:
+        families = [f for f, why in RUNNABLE.items() if why is None]
+        unpatched = (UNPATCHED_FAMILY if UNPATCHED_FAMILY in families else families[0],
+                     ("unpatched", "user-without-mixed", "fp32", "every", STEPS))
+        cases = [("fp32 every", "user", "fp32", "every", STEPS)]
+        with tempfile.TemporaryDirectory(prefix="mixed_families_") as tmp:
+            try:
+                got = run_ranks(mixed_jobs.patched_then_unpatched, 2, tmp, FRAMEWORK, families, cases, unpatched,
+                                timeout=PG_TIMEOUT + 240, retries=0, pg_timeout=PG_TIMEOUT)
+                outcomes = [r["unpatched"]["error"] for r in got]
+            except RankError as exc:
+                outcomes = [exc.errors.get(rank, ("reported nothing else", ""))[0] for rank in range(2)]
+            patched, stderr = [], []
+            for rank in range(2):
+                path = os.path.join(tmp, "rank%d.json" % rank)
+                patched.append(json.load(open(path, encoding="utf-8")) if os.path.exists(path) else None)
+                path = os.path.join(tmp, "rank%d.err" % rank)
+                stderr.append(open(path, encoding="utf-8", errors="replace").read() if os.path.exists(path) else "")
+        assert None not in patched, "a rank died before its patched results were written: %s %s" % (outcomes, stderr)
+        _RESULTS["run"] = ({f: [p[f] for p in patched] for f in families}, unpatched[0],
+                           list(zip(outcomes, stderr)))
+    return _RESULTS["run"]
+
+
+def _marks(family):
+    marks = [pytest.mark.xdist_group("mixed-families")]
+    if RUNNABLE[family]:
+        marks.append(pytest.mark.skip(reason=RUNNABLE[family]))
+    return marks
+
+
+@pytest.mark.parametrize("family", [pytest.param(f, marks=_marks(f), id=f) for f in FAMILIES])
+def test_patched_mixed_ranks_train_to_the_dp_average(family):
+    patched, _, _ = _run()
+    results = patched[family]
+    for rank, r in enumerate(results):
+        accum_jobs.assert_close(r["fp32 every"], "fp32", "%s %s rank %d" % (FRAMEWORK, family, rank))
+    # each rank is text-only in one of the two steps: one dummy vision forward each, never on the image step
+    assert [r["fp32 every"]["dummy_forwards"] for r in results] == [1, 1], results
+    assert results[0]["fp32 every"]["losses"] != results[1]["fp32 every"]["losses"], "same data on both ranks"
+    # the tower's blocks are units of their own (what makes the text-only rank's collectives differ unpatched)
+    assert any(name.startswith("model.visual.blocks") for name in results[0]["fp32 every"]["wrapped"]), results
+
+
+@pytest.mark.xdist_group("mixed-families")
+@pytest.mark.skipif(all(RUNNABLE.values()), reason="no family runs here: %s" % sorted(set(RUNNABLE.values())))
+def test_unpatched_a_text_only_rank_breaks_the_vision_units_collectives():
+    _, family, ranks = _run()
+    assert any(MISMATCH in outcome or MISMATCH in stderr for outcome, stderr in ranks), (family, ranks)
+    assert not any(outcome is None for outcome, _ in ranks), (family, ranks)  # no rank trained through it
+
+
+@pytest.mark.parametrize("family", sorted(UNKNOWN_TOWERS))
+def test_unknown_towers_are_not_claimed_and_the_fix_says_why(family):
+    """No target of the family's patch is a mixed-ranks forward (status claims nothing for it), and the fix's
+    own check names what it does not know about the tower (what its warning would say)."""
+    from fsdp2_compat.fixes import mixed_media
+    from fsdp2_compat.tooling import tiny
+
+    if tiny.available(family) is not True:
+        pytest.skip(str(tiny.available(family)))
+    patch = registry.for_model_type(family)
+    assert patch is not None, family
+    assert not [t.attr for t in patch.targets if t in registry.MIXED_MEDIA], patch.name
+    model = tiny.quiet(tiny.build, family)
+    base = getattr(model, "model", model)  # the audio families hold their towers on the outer class (5.x)
+    assert mixed_media.unknown_tower(base) == UNKNOWN_TOWERS[family]
