@@ -70,8 +70,10 @@ a unit that one rank skips.
 
 import weakref
 
-# Inputs that carry media into the base model forward of the families below.
-MEDIA_INPUTS = ("pixel_values", "pixel_values_videos")
+from . import media_towers
+
+# Inputs that carry media into a wrapped base model forward (every family; per family: media_towers).
+MEDIA_INPUTS = media_towers.media_inputs()
 
 # How many dummy vision forwards ran in this process (tests and benchmarks read it).
 STATS = {"dummy_forwards": 0}
@@ -114,29 +116,12 @@ def tower_is_sharded(tower):
 
 
 def _tower(model):
-    return getattr(model, "visual", None)
-
-
-def _geometry(model):
-    """``(channels * temporal patch * patch**2, spatial merge size)`` of the vision config, or a reason string."""
-    vision = getattr(getattr(model, "config", None), "vision_config", None)
-    if vision is None:
-        return "its config has no vision_config"
-    channels = getattr(vision, "in_channels", None) or getattr(vision, "in_chans", None)
-    temporal = getattr(vision, "temporal_patch_size", None)
-    patch = getattr(vision, "patch_size", None)
-    merge = getattr(vision, "spatial_merge_size", None)
-    if not all(isinstance(v, int) and v > 0 for v in (channels, temporal, patch, merge)):
-        return "its vision_config lacks in_channels / temporal_patch_size / patch_size / spatial_merge_size"
-    return channels * temporal * patch * patch, merge
+    return getattr(model, media_towers.for_model(model).attr, None)
 
 
 def unknown_tower(model):
-    """Why the dummy cannot be built for ``model`` (None when it can)."""
-    if _tower(model) is None:
-        return "it has no `visual` tower"
-    geometry = _geometry(model)
-    return geometry if isinstance(geometry, str) else None
+    """Why the dummy cannot be built for ``model`` (None when it can): ``media_towers.reason``."""
+    return media_towers.reason(model)
 
 
 def _warn_unknown(model, why):
@@ -177,14 +162,10 @@ def needed_for(model):
 
 
 def zero_contribution(model, device):
-    """``0 * sum(every floating output)`` of the model's own image path on a minimal dummy image (a 0-dim tensor)."""
-    import torch
-
-    width, merge = _geometry(model)
-    pixels = torch.zeros(merge * merge, width, device=device)
-    grid = torch.tensor([[1, merge, merge]], dtype=torch.long, device=device)
+    """``0 * sum(every floating output)`` of the model's own media path on its tower's minimal dummy
+    (``media_towers``: one merged image token), a 0-dim tensor."""
+    out = media_towers.for_model(model).run(model, device)
     STATS["dummy_forwards"] += 1
-    out = model.get_image_features(pixels, grid)
     total = None
     for t in _floating(out):
         term = (t * 0).sum()
@@ -251,7 +232,7 @@ def _forward(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)  # let transformers report the bad call
     given = bound.arguments
     extra = given.get("kwargs") or {}
-    media = any(given.get(n, extra.get(n)) is not None for n in MEDIA_INPUTS)
+    media = any(given.get(n, extra.get(n)) is not None for n in media_towers.for_model(model).media)
     # transformers 5.24+: features computed before the call (the tower ran elsewhere: nothing to align here)
     media = media or bool(given.get("mm_encoder_outputs", extra.get("mm_encoder_outputs")))
     cache = next((given.get(n, extra.get(n)) for n in ("past_key_values", "cache")
@@ -276,7 +257,7 @@ def _forward(wrapped, instance, args, kwargs):
         done.append(True)
         return _with_zero(output, zero_contribution(model, output.device))
 
-    handle = model.get_input_embeddings().register_forward_hook(add_zero)
+    handle = media_towers.for_model(model).embed(model).register_forward_hook(add_zero)
     try:
         return wrapped(*args, **kwargs)
     finally:

@@ -54,6 +54,9 @@ FAMILIES = {
     "glm46v": ("Glm46VModel", "5.0.0rc0"),
     "qwen3_5": ("Qwen3_5Model", "5.2.0"),
     "qwen3_5_moe": ("Qwen3_5MoeModel", "5.2.0"),
+    # towers of their own kind (fixes.media_towers.TOWERS)
+    "lfm2_vl": ("Lfm2VlModel", "4.57.0"),
+    "paddleocr_vl": ("PaddleOCRVLModel", "5.0.0rc1"),
 }
 
 # family -> {release label: fingerprint of <Family>Model.forward}, read from every wheel 4.57.0-5.24.0
@@ -179,6 +182,34 @@ FORWARD_FINGERPRINTS = {
         "5.23.0": "acc02c61eba214c6",
         "5.24.0": "08be9257c0efd620",
     },
+    # Lfm2VlModel.forward: embedding (get_input_embeddings()) first, then vision_tower through
+    # get_image_features(pixel_values=, spatial_shapes=, pixel_attention_mask=) when pixel_values is given
+    # (5.18.0+: or mm_encoder_outputs["image"]); every distinct code below was read.
+    "lfm2_vl": {
+        "4.57.0-5.0.0rc2": "fba7944697efe6ce",
+        "5.0.0rc3": "c4daa2240529ab88",
+        "5.0.0-5.3.0": "ffb3ae3cd13f92a4",
+        "5.4.0-5.17.0": "3c61525cc6d0810b",
+        "5.18.0-5.22.2": "e378f714d097f15e",
+        "5.23.0": "1d330bd7072495fa",
+        "5.24.0": "9779f48adb6c15fd",
+    },
+    # PaddleOCRVLModel.forward: language_model.embed_tokens first, then get_image_features(pixel_values,
+    # image_grid_thw) when pixel_values is given (5.18.0+: or mm_encoder_outputs["image"]).
+    "paddleocr_vl": {
+        "5.0.0rc1-5.0.0rc2": "bc6a3b5e5793ef01",
+        "5.0.0rc3": "ba24914c67f2598a",
+        "5.0.0-5.1.0": "9296cd3f90b372a0",
+        "5.2.0": "b180b518b8a8ca45",
+        "5.3.0": "3d81f7a676a06ee5",
+        "5.4.0-5.8.1": "49c142013546eafe",
+        "5.9.0-5.10.0": "90714bded774bdf3",
+        "5.10.1-5.14.1": "e1b6006a1799f3cf",
+        "5.15.0-5.17.0": "96f5f6bffd39b970",
+        "5.18.0-5.22.2": "2c71acd6568d4da9",
+        "5.23.0": "5f9d456062a55a2f",
+        "5.24.0": "e8958dcd4dd7f4eb",
+    },
 }
 
 
@@ -190,7 +221,8 @@ SYMPTOM = ("one rank's micro-batch text-only and another's with an image (any fr
 def _target(family):
     cls, first = FAMILIES[family]
     unsupported = {}
-    if first != "4.57.0":
+    # (major, minor) of the first release: a family first released after 4.57 has no older releases to refuse
+    if tuple(int(x) for x in first.split(".")[:2]) < (4, 57) and first != "4.57.0":
         unsupported[">=%s,<4.57.0" % first] = (
             "%s.forward of releases before 4.57.0 was not read for the mixed-ranks fix (the tower is skipped on "
             "text-only micro-batches there too)" % cls)
@@ -212,4 +244,6 @@ QWEN2_VL = (_target("qwen2_vl"), _target("qwen2_5_vl"))
 QWEN3_VL = (_target("qwen3_vl"), _target("qwen3_vl_moe"))
 GLM4V = (_target("glm4v"), _target("glm4v_moe"), _target("glm46v"))
 QWEN3_5 = (_target("qwen3_5"), _target("qwen3_5_moe"))
-TARGETS = QWEN2_VL + QWEN3_VL + GLM4V + QWEN3_5
+LFM2_VL = (_target("lfm2_vl"),)
+PADDLEOCR_VL = (_target("paddleocr_vl"),)
+TARGETS = QWEN2_VL + QWEN3_VL + GLM4V + QWEN3_5 + LFM2_VL + PADDLEOCR_VL
