@@ -45,14 +45,16 @@ DEPENDS_ON = ("torch", "transformers")
 PG_TIMEOUT = 20
 STEPS = ((("image",), ("text",)), (("text",), ("image",)))  # rank 0 image / rank 1 text-only, then the reverse
 MISMATCH = "Received data size doesn't match expected size. Is there a distributed collective mismatch"
-FAMILIES = ("glm4v_moe", "glm46v", "qwen3_vl_moe", "lfm2_vl", "paddleocr_vl")
+FAMILIES = ("glm4v_moe", "glm46v", "qwen3_vl_moe", "qwen2_vl", "qwen3_5_moe", "lfm2_vl", "paddleocr_vl")
+# Built by the tests only (accum_jobs.TEST_ONLY): the transformers class each needs.
+TEST_ONLY_CLASS = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
 TOWER = {"lfm2_vl": "vision_tower"}  # the tower's attribute on the base model where it is not `visual`
 # No vision layer class in _no_split_modules: the tower is in the root unit, whose reduce-scatter is shorter
 # on a text-only rank unpatched (its vision parameters have no gradient).
 ROOT_UNIT_TOWERS = ("paddleocr_vl",)
 UNPATCHED_FAMILY = "glm4v_moe"
 # Wrapping frameworks whose generic per-layer-class fully_shard this module uses, the first installed one.
-PREFERRED = ("verl", "skyrl", "skyrl-train", "areal", "llamafactory")
+PREFERRED = ("verl", "skyrl", "skyrl-train", "llamafactory", "areal")  # (AReaL imports slowest)
 # Catalogued families with a media tower that the fix does not know (no `visual` with the Qwen/GLM patch grid).
 UNKNOWN_TOWERS = {
     "qwen2_audio": "it has no `visual` tower",  # Whisper-style `audio_tower`
@@ -81,7 +83,12 @@ def _runnable():
     out = {}
     for family in FAMILIES:
         reason = NO_FRAMEWORK
-        if reason is None and tiny.wrappable(family) is not True:
+        if reason is None and family in TEST_ONLY_CLASS:
+            import transformers
+
+            if not hasattr(transformers, TEST_ONLY_CLASS[family]):
+                reason = "transformers %s has no %s" % (transformers.__version__, TEST_ONLY_CLASS[family])
+        elif reason is None and tiny.wrappable(family) is not True:
             reason = str(tiny.wrappable(family))
         out[family] = reason
     return out
