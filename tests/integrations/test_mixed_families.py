@@ -63,6 +63,14 @@ UNKNOWN_TOWERS = {
 }
 
 
+# accelerate's FSDP2 preparation (fsdp_transformer_layer_cls_to_wrap from _no_split_modules) refuses these
+# before sharding anything, patched or not: nothing to prove there about mixed ranks.
+ACCELERATE_CANNOT_WRAP = {
+    "lfm2_vl": "accelerate's FSDP2 preparation raises 'Could not find the transformer layer class "
+               "Siglip2MultiheadAttentionPoolingHead in the model' (a _no_split_modules class LFM2-VL never builds)",
+}
+
+
 def _framework():
     """``(framework, None)`` or ``(None, why not)``."""
     for dist in PREFERRED:
@@ -90,6 +98,8 @@ def _runnable():
                 reason = "transformers %s has no %s" % (transformers.__version__, TEST_ONLY_CLASS[family])
         elif reason is None and tiny.wrappable(family) is not True:
             reason = str(tiny.wrappable(family))
+        if reason is None and FRAMEWORK == "accelerate" and family in ACCELERATE_CANNOT_WRAP:
+            reason = ACCELERATE_CANNOT_WRAP[family]
         out[family] = reason
     return out
 
@@ -147,7 +157,8 @@ def test_patched_mixed_ranks_train_to_the_dp_average(family):
 
 
 @pytest.mark.xdist_group("mixed-families")
-@pytest.mark.skipif(all(RUNNABLE.values()), reason="no family runs here: %s" % sorted(set(RUNNABLE.values())))
+@pytest.mark.skipif(all(RUNNABLE.values()), reason="no family runs here: %s" % "; ".join(
+    sorted(set(str(why) for why in RUNNABLE.values()))))
 def test_unpatched_a_text_only_rank_breaks_the_vision_units_collectives():
     _, family, ranks = _run()
     assert any(MISMATCH in outcome or MISMATCH in stderr for outcome, stderr in ranks), (family, ranks)
