@@ -1,4 +1,4 @@
-"""Mixed text/image micro-batches across data-parallel ranks: every rank runs the vision tower.
+"""Mixed text/image micro-batches across data-parallel ranks: every rank runs the media tower.
 
 The bug (the third FSDP2 bug class; TRL issue #3934, miles #2406, torchtitan
 #4777): FSDP2 all-gathers a unit's parameters in that unit's forward and
@@ -13,9 +13,10 @@ with no vision unit of its own, the enclosing unit reduce-scatters a shorter
 gradient list on the text-only rank (its vision parameters have no gradient).
 
 The fix: on a micro-batch without media, the model's own image path runs on a
-minimal dummy image (zeros, one merged token: a ``[1, m, m]`` patch grid for
-spatial merge size ``m``) and ``0 * sum(every floating output)`` is added to
-the input embeddings.  Every vision unit then all-gathers in forward and
+minimal dummy image (zeros, one merged token: for the Qwen/GLM towers a
+``[1, m, m]`` patch grid for spatial merge size ``m``; per tower kind in
+``fixes.media_towers``, which says why each dummy is valid) and
+``0 * sum(every floating output)`` is added to the input embeddings.  Every vision unit then all-gathers in forward and
 reduce-scatters in backward exactly as on an image rank, in the same order
 (the dummy runs right after the token embedding, where the real image path
 runs, and it joins the graph at the input embeddings, as the real features
@@ -38,9 +39,9 @@ dummy).  ``needed_for`` says so for a model instance.
 
 How, without re-implementing the forward: the wrapper (``wrapt``) leaves
 transformers' code as released.  For the duration of one call it hooks the
-token embedding module (``get_input_embeddings()``): the hook runs the dummy
-through the model's own ``get_image_features`` and adds the zero to the
-embedding output.  A caller that passes ``inputs_embeds`` gets the zero added
+token embedding module the forward calls first (``get_input_embeddings()``, or
+the one ``media_towers`` names): the hook runs the dummy through the model's
+own ``get_image_features`` and adds the zero to the embedding output.  A caller that passes ``inputs_embeds`` gets the zero added
 to them before the call.  Cost: only when torch.distributed is initialised
 with more than one rank, the micro-batch has no media, the call is not a
 cached decoding step (every rank decodes without media), and the vision tower
@@ -58,9 +59,12 @@ other rank's image reached it.
 
 Fails safe: the targets are fingerprinted per transformers release (the wrapper
 relies on the embedding being called before the tower, on the media argument
-names and on ``get_image_features``); a model whose tower or config this module
-does not know (no ``visual``, a vision config without the patch geometry) is
-left alone, with one warning per class naming why.  Revert restores
+names and on ``get_image_features``); a model whose tower or config
+``media_towers`` does not know (no tower under the attribute its entry names,
+a config without what the dummy needs) is left alone, with one warning per
+class naming why.  Families with no target at all (the audio towers, the
+families new in transformers 5.1x) are never wrapped: their patches carry no
+mixed-ranks target, so status claims nothing for them.  Revert restores
 transformers' methods.
 
 Delete when: transformers (or every trainer you run) keeps every rank in the

@@ -1,25 +1,36 @@
-"""transformers: the base model forwards that skip the vision tower on a text-only micro-batch.
+"""transformers: the base model forwards that skip the media tower on a text-only micro-batch.
 
 One target per family: ``transformers.models.<family>.modeling_<family>``,
 ``<Family>Model.forward`` (the module under ``<Family>ForConditionalGeneration.model``
-that runs the token embedding, then the vision tower when it is given
+that runs the token embedding, then the vision tower when it is given media:
 ``pixel_values`` / ``pixel_values_videos``).  The fix code is
-``fsdp2_compat.fixes.mixed_media`` (why this seam, the mechanism, how it fails safe).
+``fsdp2_compat.fixes.mixed_media`` (why this seam, the mechanism, how it fails
+safe); what it knows of each tower (attribute, media arguments, the smallest
+valid dummy) is ``fsdp2_compat.fixes.media_towers``.
+
+Families: the Qwen/GLM patch-grid towers (Qwen2-VL, Qwen2.5-VL, Qwen3-VL(-MoE),
+GLM-4.1V/4.5V/4.6V, Qwen3.5(-MoE)), PaddleOCR-VL (unflattened patches, same
+grid) and LFM2-VL (SigLIP2 NaFlex ``vision_tower``).  Not covered, left alone
+(no target; the family's patch does not claim it): the audio towers of
+Qwen2-Audio, Voxtral and AudioFlamingo3 (their forwards run the Whisper-style
+encoder inline, without a feature function, on a fixed 2 x max_source_positions
+frame window: no adapter yet), and HunYuan-VL, Step-3.7, GLM-Image, Cosmos-3, DeepSeek-OCR-2 and
+Chameleon (not read for this fix).
 
 Releases (every published transformers release was read, see ``FORWARD_FINGERPRINTS``):
 - fingerprinted: 4.57.0-5.24.0 (the newest), each release's code of the
   forward, where it was checked to call the token embedding before the tower,
-  to take the media as ``pixel_values`` / ``pixel_values_videos`` and to have
-  ``get_image_features(pixel_values, image_grid_thw)`` on the same class
-  (5.24.0 also takes precomputed ``mm_encoder_outputs``: media, no dummy; and
-  calls its cache ``cache``);
+  to take the media under the argument names ``media_towers`` lists and to
+  call the feature function ``media_towers`` runs on the dummy
+  (``get_image_features``; 5.18.0+ PaddleOCR-VL / LFM2-VL and 5.24.0 for all
+  also take precomputed ``mm_encoder_outputs``: media, no dummy; 5.24.0 calls
+  its cache ``cache``);
 - declared: releases without the family's module;
 - unsupported (the bug is there, the patch refuses loudly): the releases between
   the family's first one and 4.57.0 (older code, not read for this fix).
 Later releases are unknown code until fingerprinted: refused with a warning.
-Proven on real FSDP2 (tests/integrations/test_mixed_ranks.py) on the pinned
-releases in ``PROVEN`` for the families with a tiny model; identical code
-elsewhere applies with a note.
+Proven on real FSDP2 on the pinned releases in ``PROVEN`` for every family;
+identical code elsewhere applies with a note.
 
 Upstream: TRL issue #3934, miles #2406, torchtitan #4777 (the hang); handled in
 verl's own forwards, LLaMA-Factory's v0 collator (#6233), prime-rl #1959,
@@ -32,14 +43,13 @@ from ..core.records import Integration, Target
 # transformers wraps nothing and is not a framework: it holds the forwards the patch wraps.
 INTEGRATION = Integration(dist="transformers", package="transformers", wrap_module=None)
 
-# Proven on real FSDP2 (tests/integrations/test_mixed_ranks.py) with 5.3.0 and 5.8.0 (5.4.0-5.8.1 share
-# 5.8.0's code) for the families with a tiny model there; 4.57.6 (tf4) passes the same tests, outside this
-# one specifier (it applies with the "not in the proven range" note).  Families without a tiny model
-# here (Qwen2-VL, Qwen3-VL-MoE, GLM-4.5V, GLM-4.6V, Qwen3.5-MoE) have no proven range: their
-# fingerprinted code applies with that note.
+# Proven on real FSDP2 with 5.3.0 and 5.8.0 (5.4.0-5.8.1 share 5.8.0's code) for every family here:
+# Qwen2.5-VL, Qwen3-VL, GLM-4.1V and Qwen3.5 through every framework (tests/integrations/test_mixed_ranks.py),
+# the others through one generic per-layer-class wrapping per transformers release
+# (tests/integrations/test_mixed_families.py; Qwen2-VL and Qwen3.5-MoE on test-only tiny models).  4.57.6,
+# 5.0.0rc3, 5.10.4, 5.16.1 and 5.24.0 pass the same tests where the family exists and wraps, outside this one
+# specifier (they apply with the "not in the proven range" note).
 PROVEN = ">=5.3.0,<=5.8.1"
-UNPROVEN = "<0"  # no release
-_TESTED = ("qwen2_5_vl", "qwen3_vl", "glm4v", "qwen3_5")
 _SEAM = "fsdp2_compat.fixes.mixed_media:forward_seam"
 _WHAT = "vision tower skipped on a text-only micro-batch (%s)"
 
@@ -230,7 +240,7 @@ def _target(family):
         dist="transformers",
         module="transformers.models.%s.modeling_%s" % (family, family),
         attr=cls + ".forward",
-        versions=PROVEN if family in _TESTED else UNPROVEN,
+        versions=PROVEN,
         fingerprints=FORWARD_FINGERPRINTS[family],
         seam=_SEAM,
         what=_WHAT % family,
