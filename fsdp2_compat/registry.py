@@ -157,6 +157,7 @@ PATCHES = (
         "voxtral",
         "`aten.add.Tensor got mixed torch.Tensor and DTensor` (audio `embed_positions` read raw)",
         {"voxtral": "Voxtral"},
+        mixed=transformers_media.VOXTRAL,
     ),
     _selection_patch(
         "audioflamingo3",

@@ -116,12 +116,41 @@ def _lfm2_run(model, device):
         pixel_attention_mask=torch.ones(1, n, dtype=torch.long, device=device))
 
 
+# --- Voxtral (``VoxtralForConditionalGeneration`` to 5.9.0, ``VoxtralModel`` from 5.10.0) ---------------------
+# Whisper-style ``audio_tower``: it accepts exactly ``max_source_positions * conv1 stride * conv2 stride`` mel
+# frames (and raises on any other length), so the smallest valid input is one whole window of zeros (for the
+# released checkpoints, 3000 frames: one 30 s chunk, the cost of one audio micro-batch's encoder forward);
+# ``get_audio_features(input_features)`` runs the tower and the projector on it.
+
+def _whisper_check(model):
+    audio = getattr(getattr(model, "config", None), "audio_config", None)
+    tower = getattr(model, "audio_tower", None)
+    if audio is None or not _ints(audio, "num_mel_bins", "max_source_positions"):
+        return "its audio_config lacks num_mel_bins / max_source_positions"
+    if not all(hasattr(tower, c) for c in ("conv1", "conv2")):
+        return "its audio_tower has no conv1 / conv2 (not the Whisper-style encoder)"
+    return None
+
+
+def _whisper_run(model, device):
+    import torch
+
+    mel, positions = _ints(model.config.audio_config, "num_mel_bins", "max_source_positions")
+    tower = model.audio_tower
+    frames = positions * tower.conv1.stride[0] * tower.conv2.stride[0]
+    return model.get_audio_features(torch.zeros(1, mel, frames, device=device))
+
+
+_VOXTRAL = Tower("audio_tower", ("input_features",), _whisper_check, _whisper_run)
+
 TOWERS = {
     # every release's forward calls ``self.language_model.embed_tokens`` itself (from 5.9.0 the class has no
     # get_input_embeddings of its own)
     "PaddleOCRVLModel": Tower("visual", ("pixel_values",), _paddle_check, _paddle_run,
                               lambda model: model.language_model.embed_tokens),
     "Lfm2VlModel": Tower("vision_tower", ("pixel_values",), _lfm2_check, _lfm2_run),
+    "VoxtralForConditionalGeneration": _VOXTRAL,
+    "VoxtralModel": _VOXTRAL,
 }
 
 

@@ -67,6 +67,8 @@ FAMILIES = {
     # towers of their own kind (fixes.media_towers.TOWERS)
     "lfm2_vl": ("Lfm2VlModel", "4.57.0"),
     "paddleocr_vl": ("PaddleOCRVLModel", "5.0.0rc1"),
+    # the outer class runs the tower until 5.9.0; from 5.10.0 VoxtralModel does (VOXTRAL_OUTER_FINGERPRINTS)
+    "voxtral": ("VoxtralModel", "4.54.0"),
 }
 
 # family -> {release label: fingerprint of <Family>Model.forward}, read from every wheel 4.57.0-5.24.0
@@ -206,6 +208,13 @@ FORWARD_FINGERPRINTS = {
     },
     # PaddleOCRVLModel.forward: language_model.embed_tokens first, then get_image_features(pixel_values,
     # image_grid_thw) when pixel_values is given (5.18.0+: or mm_encoder_outputs["image"]).
+    # VoxtralModel.forward (5.10.0+): as the outer class's forward before it (get_audio_features(input_features)).
+    "voxtral": {
+        "5.10.0-5.14.1": "634f6f2f6680c01f",
+        "5.15.0-5.22.2": "fd624ea1218afdc8",
+        "5.23.0": "115de727509c9b6a",
+        "5.24.0": "a755fc782aeaa9b0",
+    },
     "paddleocr_vl": {
         "5.0.0rc1-5.0.0rc2": "bc6a3b5e5793ef01",
         "5.0.0rc3": "ba24914c67f2598a",
@@ -228,11 +237,14 @@ SYMPTOM = ("one rank's micro-batch text-only and another's with an image (any fr
            "size doesn't match expected size`)")
 
 
-def _target(family):
-    cls, first = FAMILIES[family]
+def _target(family, cls=None, fingerprints=None, declared=None, refuse_older=True):
+    """The family's ``<cls>.forward`` target (``FAMILIES``' base model class unless ``cls`` is given);
+    ``declared``: more releases with nothing to patch there; ``refuse_older``: the family's releases before
+    4.57.0 are unsupported (False where ``declared`` already classifies them: never both)."""
+    cls, first = cls or FAMILIES[family][0], FAMILIES[family][1]
     unsupported = {}
     # (major, minor) of the first release: a family first released after 4.57 has no older releases to refuse
-    if tuple(int(x) for x in first.split(".")[:2]) < (4, 57) and first != "4.57.0":
+    if tuple(int(x) for x in first.split(".")[:2]) < (4, 57) and refuse_older:
         unsupported[">=%s,<4.57.0" % first] = (
             "%s.forward of releases before 4.57.0 was not read for the mixed-ranks fix (the tower is skipped on "
             "text-only micro-batches there too)" % cls)
@@ -241,10 +253,10 @@ def _target(family):
         module="transformers.models.%s.modeling_%s" % (family, family),
         attr=cls + ".forward",
         versions=PROVEN,
-        fingerprints=FORWARD_FINGERPRINTS[family],
+        fingerprints=fingerprints or FORWARD_FINGERPRINTS[family],
         seam=_SEAM,
         what=_WHAT % family,
-        declared={"<%s" % first: "no transformers.models.%s module" % family},
+        declared=dict({"<%s" % first: "no transformers.models.%s module" % family}, **(declared or {})),
         unsupported=unsupported,
         symptom=SYMPTOM,
     )
@@ -254,6 +266,21 @@ QWEN2_VL = (_target("qwen2_vl"), _target("qwen2_5_vl"))
 QWEN3_VL = (_target("qwen3_vl"), _target("qwen3_vl_moe"))
 GLM4V = (_target("glm4v"), _target("glm4v_moe"), _target("glm46v"))
 QWEN3_5 = (_target("qwen3_5"), _target("qwen3_5_moe"))
+# VoxtralForConditionalGeneration.forward, 4.57.0-5.9.0: get_input_embeddings() first, then
+# get_audio_features(input_features) when input_features and input_ids are given (read: every code below).
+VOXTRAL_OUTER_FINGERPRINTS = {
+    "4.57.0-5.0.0rc2": "054b21dcd171ca4c",
+    "5.0.0rc3": "90ab9408520ba255",
+    "5.0.0-5.3.0": "885b1eb92907d361",
+    "5.4.0-5.8.1": "3c8d7cafb8fd77af",
+    "5.9.0": "518e40fa223665db",
+}
+VOXTRAL = (
+    _target("voxtral", "VoxtralForConditionalGeneration", VOXTRAL_OUTER_FINGERPRINTS,
+            {">=5.10.0": "the forward calls VoxtralModel.forward, which runs the tower (the other voxtral target)"}),
+    _target("voxtral", declared={">=4.54.0,<5.10.0": "no VoxtralModel before 5.10.0 (the outer class's forward "
+                                                    "runs the tower: the other voxtral target)"}, refuse_older=False),
+)
 LFM2_VL = (_target("lfm2_vl"),)
 PADDLEOCR_VL = (_target("paddleocr_vl"),)
-TARGETS = QWEN2_VL + QWEN3_VL + GLM4V + QWEN3_5 + LFM2_VL + PADDLEOCR_VL
+TARGETS = QWEN2_VL + QWEN3_VL + GLM4V + QWEN3_5 + LFM2_VL + PADDLEOCR_VL + VOXTRAL

@@ -45,10 +45,10 @@ DEPENDS_ON = ("torch", "transformers")
 PG_TIMEOUT = 20
 STEPS = ((("image",), ("text",)), (("text",), ("image",)))  # rank 0 image / rank 1 text-only, then the reverse
 MISMATCH = "Received data size doesn't match expected size. Is there a distributed collective mismatch"
-FAMILIES = ("glm4v_moe", "glm46v", "qwen3_vl_moe", "qwen2_vl", "qwen3_5_moe", "lfm2_vl", "paddleocr_vl")
+FAMILIES = ("glm4v_moe", "glm46v", "qwen3_vl_moe", "qwen2_vl", "qwen3_5_moe", "lfm2_vl", "paddleocr_vl", "voxtral")
 # Built by the tests only (accum_jobs.TEST_ONLY): the transformers class each needs.
 TEST_ONLY_CLASS = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
-TOWER = {"lfm2_vl": "vision_tower"}  # the tower's attribute on the base model where it is not `visual`
+TOWER = {"lfm2_vl": "vision_tower", "voxtral": "audio_tower"}  # the tower's attribute on the base model where it is not `visual`
 # No vision layer class in _no_split_modules: the tower is in the root unit, whose reduce-scatter is shorter
 # on a text-only rank unpatched (its vision parameters have no gradient).
 ROOT_UNIT_TOWERS = ("paddleocr_vl",)
@@ -58,7 +58,6 @@ PREFERRED = ("verl", "skyrl", "skyrl-train", "llamafactory", "areal")  # (AReaL 
 # Catalogued families with a media tower that the fix does not know (no `visual` with the Qwen/GLM patch grid).
 UNKNOWN_TOWERS = {
     "qwen2_audio": "it has no `visual` tower",  # Whisper-style `audio_tower`
-    "voxtral": "it has no `visual` tower",
     "audioflamingo3": "it has no `visual` tower",
 }
 
@@ -151,8 +150,8 @@ def test_patched_mixed_ranks_train_to_the_dp_average(family):
     # (so the fix found the tower FSDP2-managed: units of its own, or PaddleOCR-VL's root unit around it)
     assert [r["fp32 every"]["dummy_forwards"] for r in results] == [1, 1], results
     assert results[0]["fp32 every"]["losses"] != results[1]["fp32 every"]["losses"], "same data on both ranks"
-    tower = "model.%s." % TOWER.get(family, "visual")
-    own_units = any(name.startswith(tower) for name in results[0]["fp32 every"]["wrapped"])
+    tower = ".%s." % TOWER.get(family, "visual")  # (Voxtral before 5.10.0: on the outer model, no ``model.``)
+    own_units = any(tower in ".%s." % name for name in results[0]["fp32 every"]["wrapped"])
     assert own_units == (family not in ROOT_UNIT_TOWERS), results[0]["fp32 every"]["wrapped"]
 
 

@@ -50,7 +50,7 @@ def _test_patches():
         # each family patch without its mixed text/image ranks targets (tests/integrations/test_mixed_ranks.py)
         patch("t-%s-without-mixed" % name, tuple(t for t in registry.patch(name).targets
                                                  if t not in registry.MIXED_MEDIA))
-        for name in ("glm4v", "qwen3vl", "qwen2vl", "qwen35", "lfm2vl", "paddleocrvl")
+        for name in ("glm4v", "qwen3vl", "qwen2vl", "qwen35", "lfm2vl", "paddleocrvl", "voxtral")
     ) + (
         # ... and without the fix of verl's own Qwen2-VL text-only dummy (verl.QWEN2_VL_FORWARD)
         patch("t-qwen2vl-without-verl-forward", tuple(t for t in registry.patch("qwen2vl").targets
@@ -263,7 +263,7 @@ def _micro_batch(family, reference, seed, kind, fused):
         batch["use_cache"] = False
     else:
         batch = tiny.make_batch(family, reference, seed=seed)
-        if kind == "text" and "pixel_values" in batch:
+        if kind == "text" and ("pixel_values" in batch or "input_features" in batch):
             batch = text_only(batch, seed + 1000)
     if fused:
         batch.pop("labels", None)
