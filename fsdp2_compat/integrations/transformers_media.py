@@ -237,7 +237,7 @@ SYMPTOM = ("one rank's micro-batch text-only and another's with an image (any fr
            "size doesn't match expected size`)")
 
 
-def _target(family, cls=None, fingerprints=None, declared=None, refuse_older=True):
+def _target(family, cls=None, fingerprints=None, declared=None, refuse_older=True, versions=PROVEN):
     """The family's ``<cls>.forward`` target (``FAMILIES``' base model class unless ``cls`` is given);
     ``declared``: more releases with nothing to patch there; ``refuse_older``: the family's releases before
     4.57.0 are unsupported (False where ``declared`` already classifies them: never both)."""
@@ -252,7 +252,7 @@ def _target(family, cls=None, fingerprints=None, declared=None, refuse_older=Tru
         dist="transformers",
         module="transformers.models.%s.modeling_%s" % (family, family),
         attr=cls + ".forward",
-        versions=PROVEN,
+        versions=versions,
         fingerprints=fingerprints or FORWARD_FINGERPRINTS[family],
         seam=_SEAM,
         what=_WHAT % family,
@@ -279,7 +279,9 @@ VOXTRAL = (
     _target("voxtral", "VoxtralForConditionalGeneration", VOXTRAL_OUTER_FINGERPRINTS,
             {">=5.10.0": "the forward calls VoxtralModel.forward, which runs the tower (the other voxtral target)"}),
     _target("voxtral", declared={">=4.54.0,<5.10.0": "no VoxtralModel before 5.10.0 (the outer class's forward "
-                                                    "runs the tower: the other voxtral target)"}, refuse_older=False),
+                                                    "runs the tower: the other voxtral target)"}, refuse_older=False,
+            # proven with 5.10.4 (5.10.0-5.14.1 share its code); 5.16.1 and 5.24.0 pass the same test
+            versions=">=5.10.0,<=5.14.1"),
 )
 LFM2_VL = (_target("lfm2_vl"),)
 PADDLEOCR_VL = (_target("paddleocr_vl"),)
