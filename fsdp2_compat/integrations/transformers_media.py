@@ -10,12 +10,14 @@ valid dummy) is ``fsdp2_compat.fixes.media_towers``.
 
 Families: the Qwen/GLM patch-grid towers (Qwen2-VL, Qwen2.5-VL, Qwen3-VL(-MoE),
 GLM-4.1V/4.5V/4.6V, Qwen3.5(-MoE)), PaddleOCR-VL (unflattened patches, same
-grid) and LFM2-VL (SigLIP2 NaFlex ``vision_tower``).  Not covered, left alone
-(no target; the family's patch does not claim it): the audio towers of
-Qwen2-Audio, Voxtral and AudioFlamingo3 (their forwards run the Whisper-style
-encoder inline, without a feature function, on a fixed 2 x max_source_positions
-frame window: no adapter yet), and HunYuan-VL, Step-3.7, GLM-Image, Cosmos-3, DeepSeek-OCR-2 and
-Chameleon (not read for this fix).
+grid), LFM2-VL (SigLIP2 NaFlex ``vision_tower``) and Voxtral's Whisper-style
+``audio_tower`` (media ``input_features``; its outer class's forward runs the
+tower until 5.9.0, ``VoxtralModel.forward`` from 5.10.0: two targets, each
+declaring the other's releases).  Not covered, left alone (no target; the
+family's patch does not claim it): the audio towers of Qwen2-Audio (its
+forward runs the encoder inline, with no feature function to call) and
+AudioFlamingo3, and HunYuan-VL, Step-3.7, GLM-Image, Cosmos-3, DeepSeek-OCR-2
+and Chameleon: not read for this fix yet.
 
 Releases (every published transformers release was read, see ``FORWARD_FINGERPRINTS``):
 - fingerprinted: 4.57.0-5.24.0 (the newest), each release's code of the
@@ -51,7 +53,7 @@ INTEGRATION = Integration(dist="transformers", package="transformers", wrap_modu
 # specifier (they apply with the "not in the proven range" note).
 PROVEN = ">=5.3.0,<=5.8.1"
 _SEAM = "fsdp2_compat.fixes.mixed_media:forward_seam"
-_WHAT = "vision tower skipped on a text-only micro-batch (%s)"
+_WHAT = "media tower skipped on a text-only micro-batch (%s)"
 
 # family -> (base model class, first release with the module)
 FAMILIES = {
@@ -232,8 +234,8 @@ FORWARD_FINGERPRINTS = {
 }
 
 
-SYMPTOM = ("one rank's micro-batch text-only and another's with an image (any framework but verl's own forwards): "
-           "the vision units' FSDP2 collectives differ across ranks, NCCL **hangs**, gloo aborts (`Received data "
+SYMPTOM = ("one rank's micro-batch text-only and another's with an image or audio (any framework but verl's own "
+           "forwards): the tower's FSDP2 collectives differ across ranks, NCCL **hangs**, gloo aborts (`Received data "
            "size doesn't match expected size`)")
 
 
