@@ -163,6 +163,7 @@ PATCHES = (
         "audioflamingo3",
         "as Qwen2-Audio: wrap-time overlapping-mesh error, then an `aten.add.Tensor` mixed read",
         {"audioflamingo3": "AudioFlamingo3"},
+        mixed=transformers_media.AUDIOFLAMINGO3,
     ),
     _selection_patch(
         "paddleocrvl",

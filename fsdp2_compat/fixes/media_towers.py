@@ -116,11 +116,12 @@ def _lfm2_run(model, device):
         pixel_attention_mask=torch.ones(1, n, dtype=torch.long, device=device))
 
 
-# --- Voxtral (``VoxtralForConditionalGeneration`` to 5.9.0, ``VoxtralModel`` from 5.10.0) ---------------------
+# --- Voxtral, AudioFlamingo3 (their ``*ForConditionalGeneration`` to 5.9.0, ``*Model`` from 5.10.0) ----------
 # Whisper-style ``audio_tower``: it accepts exactly ``max_source_positions * conv1 stride * conv2 stride`` mel
-# frames (and raises on any other length), so the smallest valid input is one whole window of zeros (for the
-# released checkpoints, 3000 frames: one 30 s chunk, the cost of one audio micro-batch's encoder forward);
-# ``get_audio_features(input_features)`` runs the tower and the projector on it.
+# frames (Voxtral raises on any other length; AudioFlamingo3 adds ``embed_positions.weight`` whole, so any other
+# length fails to broadcast), so the smallest valid input is one whole window of zeros (for the released
+# checkpoints, 3000 frames: one 30 s chunk, the cost of one audio micro-batch's encoder forward), all of it
+# valid in AudioFlamingo3's ``input_features_mask``; ``get_audio_features`` runs the tower and the projector.
 
 def _whisper_check(model):
     audio = getattr(getattr(model, "config", None), "audio_config", None)
@@ -132,16 +133,27 @@ def _whisper_check(model):
     return None
 
 
-def _whisper_run(model, device):
+def _whisper_window(model, device):
     import torch
 
     mel, positions = _ints(model.config.audio_config, "num_mel_bins", "max_source_positions")
     tower = model.audio_tower
-    frames = positions * tower.conv1.stride[0] * tower.conv2.stride[0]
-    return model.get_audio_features(torch.zeros(1, mel, frames, device=device))
+    return torch.zeros(1, mel, positions * tower.conv1.stride[0] * tower.conv2.stride[0], device=device)
 
 
-_VOXTRAL = Tower("audio_tower", ("input_features",), _whisper_check, _whisper_run)
+def _voxtral_run(model, device):
+    return model.get_audio_features(_whisper_window(model, device))
+
+
+def _audioflamingo3_run(model, device):
+    import torch
+
+    features = _whisper_window(model, device)
+    return model.get_audio_features(features, torch.ones(1, features.shape[-1], dtype=torch.long, device=device))
+
+
+_VOXTRAL = Tower("audio_tower", ("input_features",), _whisper_check, _voxtral_run)
+_AUDIOFLAMINGO3 = Tower("audio_tower", ("input_features",), _whisper_check, _audioflamingo3_run)
 
 TOWERS = {
     # every release's forward calls ``self.language_model.embed_tokens`` itself (from 5.9.0 the class has no
@@ -151,6 +163,8 @@ TOWERS = {
     "Lfm2VlModel": Tower("vision_tower", ("pixel_values",), _lfm2_check, _lfm2_run),
     "VoxtralForConditionalGeneration": _VOXTRAL,
     "VoxtralModel": _VOXTRAL,
+    "AudioFlamingo3ForConditionalGeneration": _AUDIOFLAMINGO3,
+    "AudioFlamingo3Model": _AUDIOFLAMINGO3,
 }
 
 

@@ -71,6 +71,7 @@ FAMILIES = {
     "paddleocr_vl": ("PaddleOCRVLModel", "5.0.0rc1"),
     # the outer class runs the tower until 5.9.0; from 5.10.0 VoxtralModel does (VOXTRAL_OUTER_FINGERPRINTS)
     "voxtral": ("VoxtralModel", "4.54.0"),
+    "audioflamingo3": ("AudioFlamingo3Model", "5.0.0rc0"),
 }
 
 # family -> {release label: fingerprint of <Family>Model.forward}, read from every wheel 4.57.0-5.24.0
@@ -217,6 +218,12 @@ FORWARD_FINGERPRINTS = {
         "5.23.0": "115de727509c9b6a",
         "5.24.0": "a755fc782aeaa9b0",
     },
+    "audioflamingo3": {
+        "5.10.0-5.14.1": "177a0f26f8fead14",
+        "5.15.0-5.22.2": "c5efd55e84fd170c",
+        "5.23.0": "2988e485f8420420",
+        "5.24.0": "5b19e6ca3e69324d",
+    },
     "paddleocr_vl": {
         "5.0.0rc1-5.0.0rc2": "bc6a3b5e5793ef01",
         "5.0.0rc3": "ba24914c67f2598a",
@@ -268,23 +275,43 @@ QWEN2_VL = (_target("qwen2_vl"), _target("qwen2_5_vl"))
 QWEN3_VL = (_target("qwen3_vl"), _target("qwen3_vl_moe"))
 GLM4V = (_target("glm4v"), _target("glm4v_moe"), _target("glm46v"))
 QWEN3_5 = (_target("qwen3_5"), _target("qwen3_5_moe"))
-# VoxtralForConditionalGeneration.forward, 4.57.0-5.9.0: get_input_embeddings() first, then
-# get_audio_features(input_features) when input_features and input_ids are given (read: every code below).
-VOXTRAL_OUTER_FINGERPRINTS = {
-    "4.57.0-5.0.0rc2": "054b21dcd171ca4c",
-    "5.0.0rc3": "90ab9408520ba255",
-    "5.0.0-5.3.0": "885b1eb92907d361",
-    "5.4.0-5.8.1": "3c8d7cafb8fd77af",
-    "5.9.0": "518e40fa223665db",
+# The audio families' outer class runs the tower until 5.9.0 (these fingerprints), their ``*Model`` from 5.10.0
+# (FORWARD_FINGERPRINTS): get_input_embeddings() first, then get_audio_features(input_features[,
+# input_features_mask]) when input_features and input_ids are given (read: every code below and there).
+OUTER_FINGERPRINTS = {
+    "voxtral": {
+        "4.57.0-5.0.0rc2": "054b21dcd171ca4c",
+        "5.0.0rc3": "90ab9408520ba255",
+        "5.0.0-5.3.0": "885b1eb92907d361",
+        "5.4.0-5.8.1": "3c8d7cafb8fd77af",
+        "5.9.0": "518e40fa223665db",
+    },
+    "audioflamingo3": {
+        "5.0.0rc0-5.0.0rc2": "42f39e4a1c9256f8",
+        "5.0.0rc3": "b304a5d730f32df6",
+        "5.0.0-5.3.0": "1c8a8a1149afcdc1",
+        "5.4.0-5.8.1": "704f2cfcd5a0ea05",
+        "5.9.0": "45f6fd6d99780546",
+    },
 }
-VOXTRAL = (
-    _target("voxtral", "VoxtralForConditionalGeneration", VOXTRAL_OUTER_FINGERPRINTS,
-            {">=5.10.0": "the forward calls VoxtralModel.forward, which runs the tower (the other voxtral target)"}),
-    _target("voxtral", declared={">=4.54.0,<5.10.0": "no VoxtralModel before 5.10.0 (the outer class's forward "
-                                                    "runs the tower: the other voxtral target)"}, refuse_older=False,
-            # proven with 5.10.4 (5.10.0-5.14.1 share its code); 5.16.1 and 5.24.0 pass the same test
-            versions=">=5.10.0,<=5.14.1"),
-)
+
+
+def _outer_then_base(family, outer_cls):
+    """``(<outer_cls>.forward to 5.9.0, <Family>Model.forward from 5.10.0)``: each declares the other's releases.
+    The base forward is proven with 5.10.4 (5.10.0-5.14.1 share its code)."""
+    first = FAMILIES[family][1]
+    return (
+        _target(family, outer_cls, OUTER_FINGERPRINTS[family],
+                {">=5.10.0": "the forward calls %s.forward, which runs the tower (the other %s target)"
+                             % (FAMILIES[family][0], family)}),
+        _target(family, declared={">=%s,<5.10.0" % first: "no %s before 5.10.0 (the outer class's forward runs "
+                                  "the tower: the other %s target)" % (FAMILIES[family][0], family)},
+                refuse_older=False, versions=">=5.10.0,<=5.14.1"),
+    )
+
+
+VOXTRAL = _outer_then_base("voxtral", "VoxtralForConditionalGeneration")
+AUDIOFLAMINGO3 = _outer_then_base("audioflamingo3", "AudioFlamingo3ForConditionalGeneration")
 LFM2_VL = (_target("lfm2_vl"),)
 PADDLEOCR_VL = (_target("paddleocr_vl"),)
-TARGETS = QWEN2_VL + QWEN3_VL + GLM4V + QWEN3_5 + LFM2_VL + PADDLEOCR_VL + VOXTRAL
+TARGETS = QWEN2_VL + QWEN3_VL + GLM4V + QWEN3_5 + LFM2_VL + PADDLEOCR_VL + VOXTRAL + AUDIOFLAMINGO3

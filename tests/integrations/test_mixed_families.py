@@ -48,10 +48,11 @@ DEPENDS_ON = ("torch", "transformers")
 PG_TIMEOUT = 20
 STEPS = ((("image",), ("text",)), (("text",), ("image",)))  # rank 0 image / rank 1 text-only, then the reverse
 MISMATCH = "Received data size doesn't match expected size. Is there a distributed collective mismatch"
-FAMILIES = ("glm4v_moe", "glm46v", "qwen3_vl_moe", "qwen2_vl", "qwen3_5_moe", "lfm2_vl", "paddleocr_vl", "voxtral")
+FAMILIES = ("glm4v_moe", "glm46v", "qwen3_vl_moe", "qwen2_vl", "qwen3_5_moe", "lfm2_vl", "paddleocr_vl", "voxtral",
+            "audioflamingo3")
 # Built by the tests only (accum_jobs.TEST_ONLY): the transformers class each needs.
 TEST_ONLY_CLASS = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
-TOWER = {"lfm2_vl": "vision_tower", "voxtral": "audio_tower"}  # the tower's attribute on the base model where it is not `visual`
+TOWER = {"lfm2_vl": "vision_tower", "voxtral": "audio_tower", "audioflamingo3": "audio_tower"}  # the tower's attribute on the base model where it is not `visual`
 # No vision layer class in _no_split_modules: the tower is in the root unit, whose reduce-scatter is shorter
 # on a text-only rank unpatched (its vision parameters have no gradient).
 ROOT_UNIT_TOWERS = ("paddleocr_vl",)
@@ -61,7 +62,6 @@ PREFERRED = ("verl", "skyrl", "skyrl-train", "llamafactory", "areal")  # (AReaL 
 # Catalogued families with a media tower that the fix does not know (no `visual` with the Qwen/GLM patch grid).
 UNKNOWN_TOWERS = {
     "qwen2_audio": "it has no `visual` tower",  # Whisper-style `audio_tower`
-    "audioflamingo3": "it has no `visual` tower",
 }
 
 
