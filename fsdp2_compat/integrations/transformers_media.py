@@ -10,14 +10,14 @@ valid dummy) is ``fsdp2_compat.fixes.media_towers``.
 
 Families: the Qwen/GLM patch-grid towers (Qwen2-VL, Qwen2.5-VL, Qwen3-VL(-MoE),
 GLM-4.1V/4.5V/4.6V, Qwen3.5(-MoE)), PaddleOCR-VL (unflattened patches, same
-grid), LFM2-VL (SigLIP2 NaFlex ``vision_tower``) and Voxtral's Whisper-style
-``audio_tower`` (media ``input_features``; its outer class's forward runs the
-tower until 5.9.0, ``VoxtralModel.forward`` from 5.10.0: two targets, each
-declaring the other's releases).  Not covered, left alone (no target; the
-family's patch does not claim it): the audio towers of Qwen2-Audio (its
-forward runs the encoder inline, with no feature function to call) and
-AudioFlamingo3, and HunYuan-VL, Step-3.7, GLM-Image, Cosmos-3, DeepSeek-OCR-2
-and Chameleon: not read for this fix yet.
+grid), LFM2-VL (SigLIP2 NaFlex ``vision_tower``), and the Whisper-style
+``audio_tower`` of Voxtral and AudioFlamingo3 (media ``input_features``; the
+outer class's forward runs the tower until 5.9.0, ``<Family>Model.forward``
+from 5.10.0: two targets each, each declaring the other's releases).  Not
+covered, left alone (no target; the family's patch does not claim it): the
+audio tower of Qwen2-Audio (its forward runs the encoder inline, with no
+feature function to call), and HunYuan-VL, Step-3.7, GLM-Image, Cosmos-3,
+DeepSeek-OCR-2 and Chameleon: not read for this fix yet.
 
 Releases (every published transformers release was read, see ``FORWARD_FINGERPRINTS``):
 - fingerprinted: 4.57.0-5.24.0 (the newest), each release's code of the

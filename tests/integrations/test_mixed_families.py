@@ -3,11 +3,11 @@
 ``test_mixed_ranks.py`` proves the fix per framework on Qwen2.5-VL, Qwen3-VL,
 GLM-4.1V and Qwen3.5.  This module proves it per transformers release on the
 other families the fix wraps (GLM-4.5V ``glm4v_moe``, GLM-4.6V ``glm46v``,
-Qwen3-VL-MoE ``qwen3_vl_moe``, LFM2-VL, PaddleOCR-VL and Voxtral's audio tower
-from ``tooling.tiny``; Qwen2-VL and Qwen3.5-MoE from the test-only builders of
-``accum_jobs.TEST_ONLY``): their forwards are separate targets with
-fingerprints of their own, and the last three towers have adapters of their
-own (``fixes.media_towers``).  Its outcome
+Qwen3-VL-MoE ``qwen3_vl_moe``, LFM2-VL, PaddleOCR-VL, and the audio towers of
+Voxtral and AudioFlamingo3 from ``tooling.tiny``; Qwen2-VL and Qwen3.5-MoE from
+the test-only builders of ``accum_jobs.TEST_ONLY``): their forwards are
+separate targets with fingerprints of their own, and the last four towers have
+adapters of their own (``fixes.media_towers``).  Its outcome
 depends on torch and transformers only, so the sharding is one generic
 per-layer-class ``fully_shard`` (``FRAMEWORK``: the first installed framework
 of ``PREFERRED``, whose own ``apply_fsdp2`` / ``parallelize_model`` gives every
