@@ -60,8 +60,16 @@ UNPATCHED_FAMILY = "glm4v_moe"
 # Wrapping frameworks whose generic per-layer-class fully_shard this module uses, the first installed one.
 PREFERRED = ("verl", "skyrl", "skyrl-train", "llamafactory", "areal")  # (AReaL imports slowest)
 # Catalogued families with a media tower that the fix does not know (no `visual` with the Qwen/GLM patch grid).
+_GRID_LACKS = "its vision_config lacks in_channels / temporal_patch_size / patch_size / spatial_merge_size"
 UNKNOWN_TOWERS = {
-    "qwen2_audio": "it has no `visual` tower",  # Whisper-style `audio_tower`
+    "qwen2_audio": "it has no `visual` tower",  # Whisper-style `audio_tower`, run inline by its forward
+    # families new in transformers 5.1x (tooling.tiny.recent): not read for the mixed-ranks fix
+    "hunyuan_vl": "it has no `visual` tower",
+    "step3p7": "it has no `visual` tower",
+    "glm_image": _GRID_LACKS,  # a `visual` tower, without the Qwen/GLM patch-grid config
+    "cosmos3_edge": _GRID_LACKS,
+    "deepseek_ocr2": "it has no `visual` tower",
+    "chameleon": "it has no `visual` tower",  # a VQ image tokenizer, no encoder tower
 }
 
 
@@ -169,8 +177,9 @@ def test_unpatched_a_text_only_rank_breaks_the_vision_units_collectives():
 
 @pytest.mark.parametrize("family", sorted(UNKNOWN_TOWERS))
 def test_unknown_towers_are_not_claimed_and_the_fix_says_why(family):
-    """No target of the family's patch is a mixed-ranks forward (status claims nothing for it), and the fix's
-    own check names what it does not know about the tower (what its warning would say)."""
+    """No target of the family's patch is a mixed-ranks forward (status claims nothing for it), ``needed_for``
+    says the model's forward is not ours, and the fix's own check names what it does not know about the tower
+    (what its warning would say if the forward were wrapped)."""
     from fsdp2_compat.fixes import mixed_media
     from fsdp2_compat.tooling import tiny
 
@@ -180,5 +189,7 @@ def test_unknown_towers_are_not_claimed_and_the_fix_says_why(family):
     assert patch is not None, family
     assert not [t.attr for t in patch.targets if t in registry.MIXED_MEDIA], patch.name
     model = tiny.quiet(tiny.build, family)
-    base = getattr(model, "model", model)  # the audio families hold their towers on the outer class (5.x)
+    base = getattr(model, "model", model)  # (Qwen2-Audio before 5.10.0 holds its tower on the outer class)
     assert mixed_media.unknown_tower(base) == UNKNOWN_TOWERS[family]
+    needed, why = mixed_media.needed_for(base)  # what status reports for a model instance
+    assert not needed and why.startswith("%s.forward is not fsdp2-compat's" % type(base).__name__), why
