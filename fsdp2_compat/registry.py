@@ -152,6 +152,7 @@ PATCHES = (
         "wrap-time overlapping-mesh error (nested layer classes), then an `aten.add.Tensor` mixed read of "
         "`embed_positions.weight`",
         {"qwen2_audio": "Qwen2-Audio"},
+        mixed=transformers_media.QWEN2_AUDIO,
     ),
     _selection_patch(
         "voxtral",

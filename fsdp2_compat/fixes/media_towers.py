@@ -116,9 +116,9 @@ def _lfm2_run(model, device):
         pixel_attention_mask=torch.ones(1, n, dtype=torch.long, device=device))
 
 
-# --- Voxtral, AudioFlamingo3 (their ``*ForConditionalGeneration`` to 5.9.0, ``*Model`` from 5.10.0) ----------
+# --- Qwen2-Audio, Voxtral, AudioFlamingo3 (``*ForConditionalGeneration`` to 5.9.0, ``*Model`` from 5.10.0) ---
 # Whisper-style ``audio_tower``: it accepts exactly ``max_source_positions * conv1 stride * conv2 stride`` mel
-# frames (Voxtral raises on any other length; AudioFlamingo3 adds ``embed_positions.weight`` whole, so any other
+# frames (Qwen2-Audio and Voxtral raise on any other length; AudioFlamingo3 adds ``embed_positions.weight`` whole, so any other
 # length fails to broadcast), so the smallest valid input is one whole window of zeros (for the released
 # checkpoints, 3000 frames: one 30 s chunk, the cost of one audio micro-batch's encoder forward), all of it
 # valid in AudioFlamingo3's ``input_features_mask``; ``get_audio_features`` runs the tower and the projector.
@@ -152,6 +152,13 @@ def _audioflamingo3_run(model, device):
     return model.get_audio_features(features, torch.ones(1, features.shape[-1], dtype=torch.long, device=device))
 
 
+# Qwen2-Audio has no feature function: its forward runs ``audio_tower`` and then ``multi_modal_projector``
+# inline (with a padding mask the whole window does not need: every frame is valid), and so does its dummy.
+def _qwen2_audio_run(model, device):
+    return model.multi_modal_projector(model.audio_tower(_whisper_window(model, device)).last_hidden_state)
+
+
+_QWEN2_AUDIO = Tower("audio_tower", ("input_features",), _whisper_check, _qwen2_audio_run)
 _VOXTRAL = Tower("audio_tower", ("input_features",), _whisper_check, _voxtral_run)
 _AUDIOFLAMINGO3 = Tower("audio_tower", ("input_features",), _whisper_check, _audioflamingo3_run)
 
@@ -161,6 +168,8 @@ TOWERS = {
     "PaddleOCRVLModel": Tower("visual", ("pixel_values",), _paddle_check, _paddle_run,
                               lambda model: model.language_model.embed_tokens),
     "Lfm2VlModel": Tower("vision_tower", ("pixel_values",), _lfm2_check, _lfm2_run),
+    "Qwen2AudioForConditionalGeneration": _QWEN2_AUDIO,
+    "Qwen2AudioModel": _QWEN2_AUDIO,
     "VoxtralForConditionalGeneration": _VOXTRAL,
     "VoxtralModel": _VOXTRAL,
     "AudioFlamingo3ForConditionalGeneration": _AUDIOFLAMINGO3,

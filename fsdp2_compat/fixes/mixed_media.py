@@ -62,8 +62,8 @@ relies on the embedding being called before the tower, on the media argument
 names and on ``get_image_features``); a model whose tower or config
 ``media_towers`` does not know (no tower under the attribute its entry names,
 a config without what the dummy needs) is left alone, with one warning per
-class naming why.  Families with no target at all (Qwen2-Audio's audio
-tower, the families new in transformers 5.1x) are never wrapped: their patches carry no
+class naming why.  Families with no target at all (those new in transformers
+5.1x) are never wrapped: their patches carry no
 mixed-ranks target, so status claims nothing for them.  Revert restores
 transformers' methods.
 

@@ -11,13 +11,12 @@ valid dummy) is ``fsdp2_compat.fixes.media_towers``.
 Families: the Qwen/GLM patch-grid towers (Qwen2-VL, Qwen2.5-VL, Qwen3-VL(-MoE),
 GLM-4.1V/4.5V/4.6V, Qwen3.5(-MoE)), PaddleOCR-VL (unflattened patches, same
 grid), LFM2-VL (SigLIP2 NaFlex ``vision_tower``), and the Whisper-style
-``audio_tower`` of Voxtral and AudioFlamingo3 (media ``input_features``; the
-outer class's forward runs the tower until 5.9.0, ``<Family>Model.forward``
-from 5.10.0: two targets each, each declaring the other's releases).  Not
-covered, left alone (no target; the family's patch does not claim it): the
-audio tower of Qwen2-Audio (its forward runs the encoder inline, with no
-feature function to call), and HunYuan-VL, Step-3.7, GLM-Image, Cosmos-3,
-DeepSeek-OCR-2 and Chameleon: not read for this fix yet.
+``audio_tower`` of Qwen2-Audio, Voxtral and AudioFlamingo3 (media
+``input_features``; the outer class's forward runs the tower until 5.9.0,
+``<Family>Model.forward`` from 5.10.0: two targets each, each declaring the
+other's releases).  Not covered, left alone (no target; the family's patch
+does not claim it): HunYuan-VL, Step-3.7, GLM-Image, Cosmos-3, DeepSeek-OCR-2
+and Chameleon: not read for this fix yet.
 
 Releases (every published transformers release was read, see ``FORWARD_FINGERPRINTS``):
 - fingerprinted: 4.57.0-5.24.0 (the newest), each release's code of the
@@ -70,6 +69,7 @@ FAMILIES = {
     "lfm2_vl": ("Lfm2VlModel", "4.57.0"),
     "paddleocr_vl": ("PaddleOCRVLModel", "5.0.0rc1"),
     # the outer class runs the tower until 5.9.0; from 5.10.0 VoxtralModel does (VOXTRAL_OUTER_FINGERPRINTS)
+    "qwen2_audio": ("Qwen2AudioModel", "4.45.0"),
     "voxtral": ("VoxtralModel", "4.54.0"),
     "audioflamingo3": ("AudioFlamingo3Model", "5.0.0rc0"),
 }
@@ -218,6 +218,12 @@ FORWARD_FINGERPRINTS = {
         "5.23.0": "115de727509c9b6a",
         "5.24.0": "a755fc782aeaa9b0",
     },
+    "qwen2_audio": {
+        "5.10.0-5.11.0": "e531c7dbb397e03c",
+        "5.12.0-5.22.2": "125a290072bb2133",
+        "5.23.0": "3893230ac7e04cea",
+        "5.24.0": "005935d5bf48d63e",
+    },
     "audioflamingo3": {
         "5.10.0-5.14.1": "177a0f26f8fead14",
         "5.15.0-5.22.2": "c5efd55e84fd170c",
@@ -279,6 +285,17 @@ QWEN3_5 = (_target("qwen3_5"), _target("qwen3_5_moe"))
 # (FORWARD_FINGERPRINTS): get_input_embeddings() first, then get_audio_features(input_features[,
 # input_features_mask]) when input_features and input_ids are given (read: every code below and there).
 OUTER_FINGERPRINTS = {
+    # Qwen2-Audio: the tower and projector run inline (no feature function), only when inputs_embeds is not
+    # given and input_ids is longer than one token
+    "qwen2_audio": {
+        "4.57.0-4.57.6": "3d03e9c7a8c3a11d",
+        "5.0.0rc0": "9f22d59fe7354c11",
+        "5.0.0rc1-5.0.0rc2": "a80bce50b439e456",
+        "5.0.0rc3": "80717bdd379706a3",
+        "5.0.0-5.1.0": "892225ffc8cf8261",
+        "5.2.0-5.3.0": "beac68eaf6c0248f",
+        "5.4.0-5.9.0": "9cbc6ef2d29cdaf8",
+    },
     "voxtral": {
         "4.57.0-5.0.0rc2": "054b21dcd171ca4c",
         "5.0.0rc3": "90ab9408520ba255",
@@ -296,9 +313,9 @@ OUTER_FINGERPRINTS = {
 }
 
 
-def _outer_then_base(family, outer_cls):
+def _outer_then_base(family, outer_cls, base_proven=">=5.10.0,<=5.14.1"):
     """``(<outer_cls>.forward to 5.9.0, <Family>Model.forward from 5.10.0)``: each declares the other's releases.
-    The base forward is proven with 5.10.4 (5.10.0-5.14.1 share its code)."""
+    The base forward is proven with 5.10.4 (``base_proven``: the releases that share its code)."""
     first = FAMILIES[family][1]
     return (
         _target(family, outer_cls, OUTER_FINGERPRINTS[family],
@@ -306,12 +323,13 @@ def _outer_then_base(family, outer_cls):
                              % (FAMILIES[family][0], family)}),
         _target(family, declared={">=%s,<5.10.0" % first: "no %s before 5.10.0 (the outer class's forward runs "
                                   "the tower: the other %s target)" % (FAMILIES[family][0], family)},
-                refuse_older=False, versions=">=5.10.0,<=5.14.1"),
+                refuse_older=False, versions=base_proven),
     )
 
 
+QWEN2_AUDIO = _outer_then_base("qwen2_audio", "Qwen2AudioForConditionalGeneration", ">=5.10.0,<=5.11.0")
 VOXTRAL = _outer_then_base("voxtral", "VoxtralForConditionalGeneration")
 AUDIOFLAMINGO3 = _outer_then_base("audioflamingo3", "AudioFlamingo3ForConditionalGeneration")
 LFM2_VL = (_target("lfm2_vl"),)
 PADDLEOCR_VL = (_target("paddleocr_vl"),)
-TARGETS = QWEN2_VL + QWEN3_VL + GLM4V + QWEN3_5 + LFM2_VL + PADDLEOCR_VL + VOXTRAL + AUDIOFLAMINGO3
+TARGETS = QWEN2_VL + QWEN3_VL + GLM4V + QWEN3_5 + LFM2_VL + PADDLEOCR_VL + QWEN2_AUDIO + VOXTRAL + AUDIOFLAMINGO3

@@ -4,9 +4,9 @@
 GLM-4.1V and Qwen3.5.  This module proves it per transformers release on the
 other families the fix wraps (GLM-4.5V ``glm4v_moe``, GLM-4.6V ``glm46v``,
 Qwen3-VL-MoE ``qwen3_vl_moe``, LFM2-VL, PaddleOCR-VL, and the audio towers of
-Voxtral and AudioFlamingo3 from ``tooling.tiny``; Qwen2-VL and Qwen3.5-MoE from
+Qwen2-Audio, Voxtral and AudioFlamingo3 from ``tooling.tiny``; Qwen2-VL and Qwen3.5-MoE from
 the test-only builders of ``accum_jobs.TEST_ONLY``): their forwards are
-separate targets with fingerprints of their own, and the last four towers have
+separate targets with fingerprints of their own, and the last five towers have
 adapters of their own (``fixes.media_towers``).  Its outcome
 depends on torch and transformers only, so the sharding is one generic
 per-layer-class ``fully_shard`` (``FRAMEWORK``: the first installed framework
@@ -48,11 +48,11 @@ DEPENDS_ON = ("torch", "transformers")
 PG_TIMEOUT = 20
 STEPS = ((("image",), ("text",)), (("text",), ("image",)))  # rank 0 image / rank 1 text-only, then the reverse
 MISMATCH = "Received data size doesn't match expected size. Is there a distributed collective mismatch"
-FAMILIES = ("glm4v_moe", "glm46v", "qwen3_vl_moe", "qwen2_vl", "qwen3_5_moe", "lfm2_vl", "paddleocr_vl", "voxtral",
-            "audioflamingo3")
+FAMILIES = ("glm4v_moe", "glm46v", "qwen3_vl_moe", "qwen2_vl", "qwen3_5_moe", "lfm2_vl", "paddleocr_vl", "qwen2_audio",
+            "voxtral", "audioflamingo3")
 # Built by the tests only (accum_jobs.TEST_ONLY): the transformers class each needs.
 TEST_ONLY_CLASS = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
-TOWER = {"lfm2_vl": "vision_tower", "voxtral": "audio_tower", "audioflamingo3": "audio_tower"}  # the tower's attribute on the base model where it is not `visual`
+TOWER = {"lfm2_vl": "vision_tower", "qwen2_audio": "audio_tower", "voxtral": "audio_tower", "audioflamingo3": "audio_tower"}  # the tower's attribute on the base model where it is not `visual`
 # No vision layer class in _no_split_modules: the tower is in the root unit, whose reduce-scatter is shorter
 # on a text-only rank unpatched (its vision parameters have no gradient).
 ROOT_UNIT_TOWERS = ("paddleocr_vl",)
@@ -62,7 +62,6 @@ PREFERRED = ("verl", "skyrl", "skyrl-train", "llamafactory", "areal")  # (AReaL 
 # Catalogued families with a media tower that the fix does not know (no `visual` with the Qwen/GLM patch grid).
 _GRID_LACKS = "its vision_config lacks in_channels / temporal_patch_size / patch_size / spatial_merge_size"
 UNKNOWN_TOWERS = {
-    "qwen2_audio": "it has no `visual` tower",  # Whisper-style `audio_tower`, run inline by its forward
     # families new in transformers 5.1x (tooling.tiny.recent): not read for the mixed-ranks fix
     "hunyuan_vl": "it has no `visual` tower",
     "step3p7": "it has no `visual` tower",

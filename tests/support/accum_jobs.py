@@ -50,7 +50,8 @@ def _test_patches():
         # each family patch without its mixed text/image ranks targets (tests/integrations/test_mixed_ranks.py)
         patch("t-%s-without-mixed" % name, tuple(t for t in registry.patch(name).targets
                                                  if t not in registry.MIXED_MEDIA))
-        for name in ("glm4v", "qwen3vl", "qwen2vl", "qwen35", "lfm2vl", "paddleocrvl", "voxtral", "audioflamingo3")
+        for name in ("glm4v", "qwen3vl", "qwen2vl", "qwen35", "lfm2vl", "paddleocrvl", "qwen2audio", "voxtral",
+                     "audioflamingo3")
     ) + (
         # ... and without the fix of verl's own Qwen2-VL text-only dummy (verl.QWEN2_VL_FORWARD)
         patch("t-qwen2vl-without-verl-forward", tuple(t for t in registry.patch("qwen2vl").targets
