@@ -5,7 +5,8 @@ Each ``Tower`` says, for the base model class whose ``forward`` is wrapped
 the forward's arguments that carry media (any of them given: the tower runs,
 no dummy), the token embedding module the forward calls first (the fix hooks
 its output), what the dummy needs from the config (``check``: None or why not),
-and how to run the model's *own* feature function on the smallest input it
+and how to run the model's *own* feature function (Qwen2-Audio has none: its
+tower and projector, as its forward runs them) on the smallest input it
 accepts (``run(model, device)``: its output, whose floating tensors the fix
 multiplies by 0).  The dummy must go through every parameterised module the
 real media path reaches (tower and projector), so every FSDP2 unit sees the
@@ -154,6 +155,9 @@ def _audioflamingo3_run(model, device):
 
 # Qwen2-Audio has no feature function: its forward runs ``audio_tower`` and then ``multi_modal_projector``
 # inline (with a padding mask the whole window does not need: every frame is valid), and so does its dummy.
+# (Its forward runs the tower only when it embeds ``input_ids`` itself: a caller that passes ``inputs_embeds``
+# with audio gets no tower on that rank, patched or not, while a text-only rank runs the dummy; no trainer
+# this project runs does that, and the audio would be silently ignored anyway.)
 def _qwen2_audio_run(model, device):
     return model.multi_modal_projector(model.audio_tower(_whisper_window(model, device)).last_hidden_state)
 
