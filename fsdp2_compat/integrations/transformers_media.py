@@ -252,7 +252,7 @@ SYMPTOM = ("one rank's micro-batch text-only and another's with an image or audi
            "size doesn't match expected size`)")
 
 
-def _target(family, cls=None, fingerprints=None, declared=None, refuse_older=True, versions=PROVEN):
+def _target(family, cls=None, fingerprints=None, declared=None, refuse_older=True, versions=PROVEN, layout=None):
     """The family's ``<cls>.forward`` target (``FAMILIES``' base model class unless ``cls`` is given);
     ``declared``: more releases with nothing to patch there; ``refuse_older``: the family's releases before
     4.57.0 are unsupported (False where ``declared`` already classifies them: never both)."""
@@ -273,6 +273,7 @@ def _target(family, cls=None, fingerprints=None, declared=None, refuse_older=Tru
         what=_WHAT % family,
         declared=dict({"<%s" % first: "no transformers.models.%s module" % family}, **(declared or {})),
         unsupported=unsupported,
+        layout=layout,
         symptom=SYMPTOM,
     )
 
@@ -314,16 +315,19 @@ OUTER_FINGERPRINTS = {
 
 
 def _outer_then_base(family, outer_cls, base_proven=">=5.10.0,<=5.14.1"):
-    """``(<outer_cls>.forward to 5.9.0, <Family>Model.forward from 5.10.0)``: each declares the other's releases.
-    The base forward is proven with 5.10.4 (``base_proven``: the releases that share its code)."""
+    """``(<outer_cls>.forward to 5.9.0, <Family>Model.forward from 5.10.0)``: each declares the other's releases
+    (for the census), and both are one ``layout`` (at run time the one whose code fits applies, the other
+    says "uses the other seam", never a refusal: ``registry.siblings``).  The base forward is proven with
+    5.10.4 (``base_proven``: the releases that share its code)."""
     first = FAMILIES[family][1]
+    layout = "%s media forward" % family
     return (
         _target(family, outer_cls, OUTER_FINGERPRINTS[family],
                 {">=5.10.0": "the forward calls %s.forward, which runs the tower (the other %s target)"
-                             % (FAMILIES[family][0], family)}),
+                             % (FAMILIES[family][0], family)}, layout=layout),
         _target(family, declared={">=%s,<5.10.0" % first: "no %s before 5.10.0 (the outer class's forward runs "
                                   "the tower: the other %s target)" % (FAMILIES[family][0], family)},
-                refuse_older=False, versions=base_proven),
+                refuse_older=False, versions=base_proven, layout=layout),
     )
 
 
