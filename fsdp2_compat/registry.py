@@ -71,11 +71,12 @@ _ACC_DELETE = ("when every accelerate you run is >= 1.15.0 and its _find_final_n
 _LF_DELETE = "when LLaMA-Factory's layer-class lookup reads a set _no_split_modules (main: PR #10656) in your release"
 
 
-def _selection_patch(name, summary, model_types, extra=(), delete_when=_SELECTION_DELETE):
-    """A multimodal family whose problem is the wrap selection (plus ``extra`` targets, and torch's
-    accumulation fix)."""
-    return Patch(name, summary, model_types, WRAP_SELECTION + tuple(extra) + GRAD_ACCUMULATION,
-                 _SELECTION_REFS + _ACCUM_REFS, delete_when + "; and " + _ACCUM_DELETE)
+def _selection_patch(name, summary, model_types, extra=(), delete_when=_SELECTION_DELETE, mixed=()):
+    """A multimodal family whose problem is the wrap selection (plus ``extra`` targets, torch's
+    accumulation fix, and its ``mixed`` text/image ranks targets, if the fix knows its tower)."""
+    return Patch(name, summary, model_types, WRAP_SELECTION + tuple(extra) + GRAD_ACCUMULATION + tuple(mixed),
+                 _SELECTION_REFS + _ACCUM_REFS + (_MIXED_REFS if mixed else ()),
+                 delete_when + "; and " + _ACCUM_DELETE + ("; and " + _MIXED_DELETE if mixed else ""))
 
 
 PATCHES = (
@@ -144,22 +145,26 @@ PATCHES = (
         {"lfm2_vl": "LFM2-VL"},
         TRL + ACCELERATE,
         _SELECTION_DELETE + "; and " + _TRL_DELETE + "; and " + _ACC_DELETE,
+        mixed=transformers_media.LFM2_VL,
     ),
     _selection_patch(
         "qwen2audio",
         "wrap-time overlapping-mesh error (nested layer classes), then an `aten.add.Tensor` mixed read of "
         "`embed_positions.weight`",
         {"qwen2_audio": "Qwen2-Audio"},
+        mixed=transformers_media.QWEN2_AUDIO,
     ),
     _selection_patch(
         "voxtral",
         "`aten.add.Tensor got mixed torch.Tensor and DTensor` (audio `embed_positions` read raw)",
         {"voxtral": "Voxtral"},
+        mixed=transformers_media.VOXTRAL,
     ),
     _selection_patch(
         "audioflamingo3",
         "as Qwen2-Audio: wrap-time overlapping-mesh error, then an `aten.add.Tensor` mixed read",
         {"audioflamingo3": "AudioFlamingo3"},
+        mixed=transformers_media.AUDIOFLAMINGO3,
     ),
     _selection_patch(
         "paddleocrvl",
@@ -168,6 +173,7 @@ PATCHES = (
         {"paddleocr_vl": "PaddleOCR-VL"},
         TRL + ACCELERATE,
         _SELECTION_DELETE + "; and " + _TRL_DELETE + "; and " + _ACC_DELETE,
+        mixed=transformers_media.PADDLEOCR_VL,
     ),
     # Families new in transformers 5.1x (tiny models: fsdp2_compat/tooling/tiny/recent.py).
     _selection_patch(

@@ -227,7 +227,7 @@ def _settle(state, module, strict=None):
         found = guards.installed_version(target.dist)
         if found is None:
             return Outcome(target, NOT_INSTALLED, None, "%s is imported but %s has no installed metadata" % (target.module, target.dist))
-        if is_ours(lookup(module, target.attr)):
+        if _present(module, target.attr) and is_ours(lookup(module, target.attr)):
             return Outcome(target, APPLIED, found, "already patched", proven=guards.in_range(found, target.versions))
         verdict = policy.judge(target, module, found, _siblings(state), lookup, strict, is_ours)
         if verdict.action != policy.APPLY:
@@ -247,6 +247,18 @@ def _settle(state, module, strict=None):
     if verdict.detail:
         detail = verdict.detail + "; " + detail
     return Outcome(target, APPLIED, found, detail, proven=verdict.proven)
+
+
+def _present(module, attr):
+    """Whether ``module`` has ``attr`` at all: a ``Class.method`` whose class this release lacks is for
+    ``policy.judge`` to classify (another layout's seam, declared, or unknown code), not a drift here."""
+    from . import guards
+
+    try:
+        lookup(module, attr)
+    except guards.Drift:
+        return False
+    return True
 
 
 def _siblings(state):

@@ -40,7 +40,10 @@ def code_label(target, module, lookup):
     ``label`` is None and ``fingerprint`` a reason string when the code is absent
     or cannot be read (unknown code, never an error).
     """
-    current = lookup(module, target.attr)
+    try:
+        current = lookup(module, target.attr)
+    except guards.Drift as exc:  # a ``Class.method`` whose class the release lacks (``core.calls``)
+        return None, str(exc)
     if current is None:
         return None, "%s has no attribute %r" % (target.module, target.attr)
     try:

@@ -1,4 +1,4 @@
-"""Mixed text/image micro-batches across data-parallel ranks: every rank runs the vision tower.
+"""Mixed text/image micro-batches across data-parallel ranks: every rank runs the media tower.
 
 The bug (the third FSDP2 bug class; TRL issue #3934, miles #2406, torchtitan
 #4777): FSDP2 all-gathers a unit's parameters in that unit's forward and
@@ -13,9 +13,10 @@ with no vision unit of its own, the enclosing unit reduce-scatters a shorter
 gradient list on the text-only rank (its vision parameters have no gradient).
 
 The fix: on a micro-batch without media, the model's own image path runs on a
-minimal dummy image (zeros, one merged token: a ``[1, m, m]`` patch grid for
-spatial merge size ``m``) and ``0 * sum(every floating output)`` is added to
-the input embeddings.  Every vision unit then all-gathers in forward and
+minimal dummy image (zeros, one merged token: for the Qwen/GLM towers a
+``[1, m, m]`` patch grid for spatial merge size ``m``; per tower kind in
+``fixes.media_towers``, which says why each dummy is valid) and
+``0 * sum(every floating output)`` is added to the input embeddings.  Every vision unit then all-gathers in forward and
 reduce-scatters in backward exactly as on an image rank, in the same order
 (the dummy runs right after the token embedding, where the real image path
 runs, and it joins the graph at the input embeddings, as the real features
@@ -38,9 +39,9 @@ dummy).  ``needed_for`` says so for a model instance.
 
 How, without re-implementing the forward: the wrapper (``wrapt``) leaves
 transformers' code as released.  For the duration of one call it hooks the
-token embedding module (``get_input_embeddings()``): the hook runs the dummy
-through the model's own ``get_image_features`` and adds the zero to the
-embedding output.  A caller that passes ``inputs_embeds`` gets the zero added
+token embedding module the forward calls first (``get_input_embeddings()``, or
+the one ``media_towers`` names): the hook runs the dummy through the model's
+own ``get_image_features`` and adds the zero to the embedding output.  A caller that passes ``inputs_embeds`` gets the zero added
 to them before the call.  Cost: only when torch.distributed is initialised
 with more than one rank, the micro-batch has no media, the call is not a
 cached decoding step (every rank decodes without media), and the vision tower
@@ -58,9 +59,12 @@ other rank's image reached it.
 
 Fails safe: the targets are fingerprinted per transformers release (the wrapper
 relies on the embedding being called before the tower, on the media argument
-names and on ``get_image_features``); a model whose tower or config this module
-does not know (no ``visual``, a vision config without the patch geometry) is
-left alone, with one warning per class naming why.  Revert restores
+names and on ``get_image_features``); a model whose tower or config
+``media_towers`` does not know (no tower under the attribute its entry names,
+a config without what the dummy needs) is left alone, with one warning per
+class naming why.  Families with no target at all (those new in transformers
+5.1x) are never wrapped: their patches carry no
+mixed-ranks target, so status claims nothing for them.  Revert restores
 transformers' methods.
 
 Delete when: transformers (or every trainer you run) keeps every rank in the
@@ -70,8 +74,10 @@ a unit that one rank skips.
 
 import weakref
 
-# Inputs that carry media into the base model forward of the families below.
-MEDIA_INPUTS = ("pixel_values", "pixel_values_videos")
+from . import media_towers
+
+# Inputs that carry media into a wrapped base model forward (every family; per family: media_towers).
+MEDIA_INPUTS = media_towers.media_inputs()
 
 # How many dummy vision forwards ran in this process (tests and benchmarks read it).
 STATS = {"dummy_forwards": 0}
@@ -114,29 +120,12 @@ def tower_is_sharded(tower):
 
 
 def _tower(model):
-    return getattr(model, "visual", None)
-
-
-def _geometry(model):
-    """``(channels * temporal patch * patch**2, spatial merge size)`` of the vision config, or a reason string."""
-    vision = getattr(getattr(model, "config", None), "vision_config", None)
-    if vision is None:
-        return "its config has no vision_config"
-    channels = getattr(vision, "in_channels", None) or getattr(vision, "in_chans", None)
-    temporal = getattr(vision, "temporal_patch_size", None)
-    patch = getattr(vision, "patch_size", None)
-    merge = getattr(vision, "spatial_merge_size", None)
-    if not all(isinstance(v, int) and v > 0 for v in (channels, temporal, patch, merge)):
-        return "its vision_config lacks in_channels / temporal_patch_size / patch_size / spatial_merge_size"
-    return channels * temporal * patch * patch, merge
+    return getattr(model, media_towers.for_model(model).attr, None)
 
 
 def unknown_tower(model):
-    """Why the dummy cannot be built for ``model`` (None when it can)."""
-    if _tower(model) is None:
-        return "it has no `visual` tower"
-    geometry = _geometry(model)
-    return geometry if isinstance(geometry, str) else None
+    """Why the dummy cannot be built for ``model`` (None when it can): ``media_towers.reason``."""
+    return media_towers.reason(model)
 
 
 def _warn_unknown(model, why):
@@ -177,14 +166,10 @@ def needed_for(model):
 
 
 def zero_contribution(model, device):
-    """``0 * sum(every floating output)`` of the model's own image path on a minimal dummy image (a 0-dim tensor)."""
-    import torch
-
-    width, merge = _geometry(model)
-    pixels = torch.zeros(merge * merge, width, device=device)
-    grid = torch.tensor([[1, merge, merge]], dtype=torch.long, device=device)
+    """``0 * sum(every floating output)`` of the model's own media path on its tower's minimal dummy
+    (``media_towers``: one merged image token), a 0-dim tensor."""
+    out = media_towers.for_model(model).run(model, device)
     STATS["dummy_forwards"] += 1
-    out = model.get_image_features(pixels, grid)
     total = None
     for t in _floating(out):
         term = (t * 0).sum()
@@ -251,7 +236,7 @@ def _forward(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)  # let transformers report the bad call
     given = bound.arguments
     extra = given.get("kwargs") or {}
-    media = any(given.get(n, extra.get(n)) is not None for n in MEDIA_INPUTS)
+    media = any(given.get(n, extra.get(n)) is not None for n in media_towers.for_model(model).media)
     # transformers 5.24+: features computed before the call (the tower ran elsewhere: nothing to align here)
     media = media or bool(given.get("mm_encoder_outputs", extra.get("mm_encoder_outputs")))
     cache = next((given.get(n, extra.get(n)) for n in ("past_key_values", "cache")
@@ -276,7 +261,7 @@ def _forward(wrapped, instance, args, kwargs):
         done.append(True)
         return _with_zero(output, zero_contribution(model, output.device))
 
-    handle = model.get_input_embeddings().register_forward_hook(add_zero)
+    handle = media_towers.for_model(model).embed(model).register_forward_hook(add_zero)
     try:
         return wrapped(*args, **kwargs)
     finally:

@@ -1,25 +1,37 @@
-"""transformers: the base model forwards that skip the vision tower on a text-only micro-batch.
+"""transformers: the base model forwards that skip the media tower on a text-only micro-batch.
 
 One target per family: ``transformers.models.<family>.modeling_<family>``,
 ``<Family>Model.forward`` (the module under ``<Family>ForConditionalGeneration.model``
-that runs the token embedding, then the vision tower when it is given
+that runs the token embedding, then the vision tower when it is given media:
 ``pixel_values`` / ``pixel_values_videos``).  The fix code is
-``fsdp2_compat.fixes.mixed_media`` (why this seam, the mechanism, how it fails safe).
+``fsdp2_compat.fixes.mixed_media`` (why this seam, the mechanism, how it fails
+safe); what it knows of each tower (attribute, media arguments, the smallest
+valid dummy) is ``fsdp2_compat.fixes.media_towers``.
+
+Families: the Qwen/GLM patch-grid towers (Qwen2-VL, Qwen2.5-VL, Qwen3-VL(-MoE),
+GLM-4.1V/4.5V/4.6V, Qwen3.5(-MoE)), PaddleOCR-VL (unflattened patches, same
+grid), LFM2-VL (SigLIP2 NaFlex ``vision_tower``), and the Whisper-style
+``audio_tower`` of Qwen2-Audio, Voxtral and AudioFlamingo3 (media
+``input_features``; the outer class's forward runs the tower until 5.9.0,
+``<Family>Model.forward`` from 5.10.0: two targets each, each declaring the
+other's releases).  Not covered, left alone (no target; the family's patch
+does not claim it): HunYuan-VL, Step-3.7, GLM-Image, Cosmos-3, DeepSeek-OCR-2
+and Chameleon: not read for this fix yet.
 
 Releases (every published transformers release was read, see ``FORWARD_FINGERPRINTS``):
 - fingerprinted: 4.57.0-5.24.0 (the newest), each release's code of the
   forward, where it was checked to call the token embedding before the tower,
-  to take the media as ``pixel_values`` / ``pixel_values_videos`` and to have
-  ``get_image_features(pixel_values, image_grid_thw)`` on the same class
-  (5.24.0 also takes precomputed ``mm_encoder_outputs``: media, no dummy; and
-  calls its cache ``cache``);
+  to take the media under the argument names ``media_towers`` lists and to
+  call the feature function ``media_towers`` runs on the dummy
+  (``get_image_features``; 5.18.0+ PaddleOCR-VL / LFM2-VL and 5.24.0 for all
+  also take precomputed ``mm_encoder_outputs``: media, no dummy; 5.24.0 calls
+  its cache ``cache``);
 - declared: releases without the family's module;
 - unsupported (the bug is there, the patch refuses loudly): the releases between
   the family's first one and 4.57.0 (older code, not read for this fix).
 Later releases are unknown code until fingerprinted: refused with a warning.
-Proven on real FSDP2 (tests/integrations/test_mixed_ranks.py) on the pinned
-releases in ``PROVEN`` for the families with a tiny model; identical code
-elsewhere applies with a note.
+Proven on real FSDP2 on the pinned releases in ``PROVEN`` for every family;
+identical code elsewhere applies with a note.
 
 Upstream: TRL issue #3934, miles #2406, torchtitan #4777 (the hang); handled in
 verl's own forwards, LLaMA-Factory's v0 collator (#6233), prime-rl #1959,
@@ -32,16 +44,15 @@ from ..core.records import Integration, Target
 # transformers wraps nothing and is not a framework: it holds the forwards the patch wraps.
 INTEGRATION = Integration(dist="transformers", package="transformers", wrap_module=None)
 
-# Proven on real FSDP2 (tests/integrations/test_mixed_ranks.py) with 5.3.0 and 5.8.0 (5.4.0-5.8.1 share
-# 5.8.0's code) for the families with a tiny model there; 4.57.6 (tf4) passes the same tests, outside this
-# one specifier (it applies with the "not in the proven range" note).  Families without a tiny model
-# here (Qwen2-VL, Qwen3-VL-MoE, GLM-4.5V, GLM-4.6V, Qwen3.5-MoE) have no proven range: their
-# fingerprinted code applies with that note.
+# Proven on real FSDP2 with 5.3.0 and 5.8.0 (5.4.0-5.8.1 share 5.8.0's code) for every family here:
+# Qwen2.5-VL, Qwen3-VL, GLM-4.1V and Qwen3.5 through every framework (tests/integrations/test_mixed_ranks.py),
+# the others through one generic per-layer-class wrapping per transformers release
+# (tests/integrations/test_mixed_families.py; Qwen2-VL and Qwen3.5-MoE on test-only tiny models).  4.57.6,
+# 5.0.0rc3, 5.10.4, 5.16.1 and 5.24.0 pass the same tests where the family exists and wraps, outside this one
+# specifier (they apply with the "not in the proven range" note).
 PROVEN = ">=5.3.0,<=5.8.1"
-UNPROVEN = "<0"  # no release
-_TESTED = ("qwen2_5_vl", "qwen3_vl", "glm4v", "qwen3_5")
 _SEAM = "fsdp2_compat.fixes.mixed_media:forward_seam"
-_WHAT = "vision tower skipped on a text-only micro-batch (%s)"
+_WHAT = "media tower skipped on a text-only micro-batch (%s)"
 
 # family -> (base model class, first release with the module)
 FAMILIES = {
@@ -54,6 +65,13 @@ FAMILIES = {
     "glm46v": ("Glm46VModel", "5.0.0rc0"),
     "qwen3_5": ("Qwen3_5Model", "5.2.0"),
     "qwen3_5_moe": ("Qwen3_5MoeModel", "5.2.0"),
+    # towers of their own kind (fixes.media_towers.TOWERS)
+    "lfm2_vl": ("Lfm2VlModel", "4.57.0"),
+    "paddleocr_vl": ("PaddleOCRVLModel", "5.0.0rc1"),
+    # the outer class runs the tower until 5.9.0; from 5.10.0 VoxtralModel does (VOXTRAL_OUTER_FINGERPRINTS)
+    "qwen2_audio": ("Qwen2AudioModel", "4.45.0"),
+    "voxtral": ("VoxtralModel", "4.54.0"),
+    "audioflamingo3": ("AudioFlamingo3Model", "5.0.0rc0"),
 }
 
 # family -> {release label: fingerprint of <Family>Model.forward}, read from every wheel 4.57.0-5.24.0
@@ -179,18 +197,69 @@ FORWARD_FINGERPRINTS = {
         "5.23.0": "acc02c61eba214c6",
         "5.24.0": "08be9257c0efd620",
     },
+    # Lfm2VlModel.forward: embedding (get_input_embeddings()) first, then vision_tower through
+    # get_image_features(pixel_values=, spatial_shapes=, pixel_attention_mask=) when pixel_values is given
+    # (5.18.0+: or mm_encoder_outputs["image"]); every distinct code below was read.
+    "lfm2_vl": {
+        "4.57.0-5.0.0rc2": "fba7944697efe6ce",
+        "5.0.0rc3": "c4daa2240529ab88",
+        "5.0.0-5.3.0": "ffb3ae3cd13f92a4",
+        "5.4.0-5.17.0": "3c61525cc6d0810b",
+        "5.18.0-5.22.2": "e378f714d097f15e",
+        "5.23.0": "1d330bd7072495fa",
+        "5.24.0": "9779f48adb6c15fd",
+    },
+    # PaddleOCRVLModel.forward: language_model.embed_tokens first, then get_image_features(pixel_values,
+    # image_grid_thw) when pixel_values is given (5.18.0+: or mm_encoder_outputs["image"]).
+    # VoxtralModel.forward (5.10.0+): as the outer class's forward before it (get_audio_features(input_features)).
+    "voxtral": {
+        "5.10.0-5.14.1": "634f6f2f6680c01f",
+        "5.15.0-5.22.2": "fd624ea1218afdc8",
+        "5.23.0": "115de727509c9b6a",
+        "5.24.0": "a755fc782aeaa9b0",
+    },
+    "qwen2_audio": {
+        "5.10.0-5.11.0": "e531c7dbb397e03c",
+        "5.12.0-5.22.2": "125a290072bb2133",
+        "5.23.0": "3893230ac7e04cea",
+        "5.24.0": "005935d5bf48d63e",
+    },
+    "audioflamingo3": {
+        "5.10.0-5.14.1": "177a0f26f8fead14",
+        "5.15.0-5.22.2": "c5efd55e84fd170c",
+        "5.23.0": "2988e485f8420420",
+        "5.24.0": "5b19e6ca3e69324d",
+    },
+    "paddleocr_vl": {
+        "5.0.0rc1-5.0.0rc2": "bc6a3b5e5793ef01",
+        "5.0.0rc3": "ba24914c67f2598a",
+        "5.0.0-5.1.0": "9296cd3f90b372a0",
+        "5.2.0": "b180b518b8a8ca45",
+        "5.3.0": "3d81f7a676a06ee5",
+        "5.4.0-5.8.1": "49c142013546eafe",
+        "5.9.0-5.10.0": "90714bded774bdf3",
+        "5.10.1-5.14.1": "e1b6006a1799f3cf",
+        "5.15.0-5.17.0": "96f5f6bffd39b970",
+        "5.18.0-5.22.2": "2c71acd6568d4da9",
+        "5.23.0": "5f9d456062a55a2f",
+        "5.24.0": "e8958dcd4dd7f4eb",
+    },
 }
 
 
-SYMPTOM = ("one rank's micro-batch text-only and another's with an image (any framework but verl's own forwards): "
-           "the vision units' FSDP2 collectives differ across ranks, NCCL **hangs**, gloo aborts (`Received data "
+SYMPTOM = ("one rank's micro-batch text-only and another's with an image or audio (any framework but verl's own "
+           "forwards): the tower's FSDP2 collectives differ across ranks, NCCL **hangs**, gloo aborts (`Received data "
            "size doesn't match expected size`)")
 
 
-def _target(family):
-    cls, first = FAMILIES[family]
+def _target(family, cls=None, fingerprints=None, declared=None, refuse_older=True, versions=PROVEN, layout=None):
+    """The family's ``<cls>.forward`` target (``FAMILIES``' base model class unless ``cls`` is given);
+    ``declared``: more releases with nothing to patch there; ``refuse_older``: the family's releases before
+    4.57.0 are unsupported (False where ``declared`` already classifies them: never both)."""
+    cls, first = cls or FAMILIES[family][0], FAMILIES[family][1]
     unsupported = {}
-    if first != "4.57.0":
+    # (major, minor) of the first release: a family first released after 4.57 has no older releases to refuse
+    if tuple(int(x) for x in first.split(".")[:2]) < (4, 57) and refuse_older:
         unsupported[">=%s,<4.57.0" % first] = (
             "%s.forward of releases before 4.57.0 was not read for the mixed-ranks fix (the tower is skipped on "
             "text-only micro-batches there too)" % cls)
@@ -198,12 +267,13 @@ def _target(family):
         dist="transformers",
         module="transformers.models.%s.modeling_%s" % (family, family),
         attr=cls + ".forward",
-        versions=PROVEN if family in _TESTED else UNPROVEN,
-        fingerprints=FORWARD_FINGERPRINTS[family],
+        versions=versions,
+        fingerprints=fingerprints or FORWARD_FINGERPRINTS[family],
         seam=_SEAM,
         what=_WHAT % family,
-        declared={"<%s" % first: "no transformers.models.%s module" % family},
+        declared=dict({"<%s" % first: "no transformers.models.%s module" % family}, **(declared or {})),
         unsupported=unsupported,
+        layout=layout,
         symptom=SYMPTOM,
     )
 
@@ -212,4 +282,58 @@ QWEN2_VL = (_target("qwen2_vl"), _target("qwen2_5_vl"))
 QWEN3_VL = (_target("qwen3_vl"), _target("qwen3_vl_moe"))
 GLM4V = (_target("glm4v"), _target("glm4v_moe"), _target("glm46v"))
 QWEN3_5 = (_target("qwen3_5"), _target("qwen3_5_moe"))
-TARGETS = QWEN2_VL + QWEN3_VL + GLM4V + QWEN3_5
+# The audio families' outer class runs the tower until 5.9.0 (these fingerprints), their ``*Model`` from 5.10.0
+# (FORWARD_FINGERPRINTS): get_input_embeddings() first, then get_audio_features(input_features[,
+# input_features_mask]) when input_features and input_ids are given (read: every code below and there).
+OUTER_FINGERPRINTS = {
+    # Qwen2-Audio: the tower and projector run inline (no feature function), only when inputs_embeds is not
+    # given and input_ids is longer than one token
+    "qwen2_audio": {
+        "4.57.0-4.57.6": "3d03e9c7a8c3a11d",
+        "5.0.0rc0": "9f22d59fe7354c11",
+        "5.0.0rc1-5.0.0rc2": "a80bce50b439e456",
+        "5.0.0rc3": "80717bdd379706a3",
+        "5.0.0-5.1.0": "892225ffc8cf8261",
+        "5.2.0-5.3.0": "beac68eaf6c0248f",
+        "5.4.0-5.9.0": "9cbc6ef2d29cdaf8",
+    },
+    "voxtral": {
+        "4.57.0-5.0.0rc2": "054b21dcd171ca4c",
+        "5.0.0rc3": "90ab9408520ba255",
+        "5.0.0-5.3.0": "885b1eb92907d361",
+        "5.4.0-5.8.1": "3c8d7cafb8fd77af",
+        "5.9.0": "518e40fa223665db",
+    },
+    "audioflamingo3": {
+        "5.0.0rc0-5.0.0rc2": "42f39e4a1c9256f8",
+        "5.0.0rc3": "b304a5d730f32df6",
+        "5.0.0-5.3.0": "1c8a8a1149afcdc1",
+        "5.4.0-5.8.1": "704f2cfcd5a0ea05",
+        "5.9.0": "45f6fd6d99780546",
+    },
+}
+
+
+def _outer_then_base(family, outer_cls, base_proven=">=5.10.0,<=5.14.1"):
+    """``(<outer_cls>.forward to 5.9.0, <Family>Model.forward from 5.10.0)``: each declares the other's releases
+    (for the census), and both are one ``layout`` (at run time the one whose code fits applies, the other
+    says "uses the other seam", never a refusal: ``registry.siblings``).  The base forward is proven with
+    5.10.4 (``base_proven``: the releases that share its code)."""
+    first = FAMILIES[family][1]
+    layout = "%s media forward" % family
+    return (
+        _target(family, outer_cls, OUTER_FINGERPRINTS[family],
+                {">=5.10.0": "the forward calls %s.forward, which runs the tower (the other %s target)"
+                             % (FAMILIES[family][0], family)}, layout=layout),
+        _target(family, declared={">=%s,<5.10.0" % first: "no %s before 5.10.0 (the outer class's forward runs "
+                                  "the tower: the other %s target)" % (FAMILIES[family][0], family)},
+                refuse_older=False, versions=base_proven, layout=layout),
+    )
+
+
+QWEN2_AUDIO = _outer_then_base("qwen2_audio", "Qwen2AudioForConditionalGeneration", ">=5.10.0,<=5.11.0")
+VOXTRAL = _outer_then_base("voxtral", "VoxtralForConditionalGeneration")
+AUDIOFLAMINGO3 = _outer_then_base("audioflamingo3", "AudioFlamingo3ForConditionalGeneration")
+LFM2_VL = (_target("lfm2_vl"),)
+PADDLEOCR_VL = (_target("paddleocr_vl"),)
+TARGETS = QWEN2_VL + QWEN3_VL + GLM4V + QWEN3_5 + LFM2_VL + PADDLEOCR_VL + QWEN2_AUDIO + VOXTRAL + AUDIOFLAMINGO3

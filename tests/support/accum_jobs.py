@@ -50,7 +50,8 @@ def _test_patches():
         # each family patch without its mixed text/image ranks targets (tests/integrations/test_mixed_ranks.py)
         patch("t-%s-without-mixed" % name, tuple(t for t in registry.patch(name).targets
                                                  if t not in registry.MIXED_MEDIA))
-        for name in ("glm4v", "qwen3vl", "qwen2vl", "qwen35")
+        for name in ("glm4v", "qwen3vl", "qwen2vl", "qwen35", "lfm2vl", "paddleocrvl", "qwen2audio", "voxtral",
+                     "audioflamingo3")
     ) + (
         # ... and without the fix of verl's own Qwen2-VL text-only dummy (verl.QWEN2_VL_FORWARD)
         patch("t-qwen2vl-without-verl-forward", tuple(t for t in registry.patch("qwen2vl").targets
@@ -91,11 +92,11 @@ def rank_kinds(step, rank):
     return step[rank] if step and isinstance(step[0], (tuple, list)) else step
 
 
-def tiny_qwen3_5(seed=0):
+def tiny_qwen3_5(seed=0, moe=False):
     """Tiny untied Qwen3.5 (verl's own ``qwen3_5`` fused forward): one linear-attention and one
-    full-attention layer, depth-1 vision tower.  Test-only (not a ``tooling.tiny`` family: its
-    batches need ``use_cache=False``, verl 0.9.1's gated-delta-net patch cannot read
-    transformers 5.8's cache)."""
+    full-attention layer, depth-1 vision tower; ``moe``: Qwen3.5-MoE (4 experts, 2 per token, a shared
+    expert).  Test-only (not a ``tooling.tiny`` family: its batches need ``use_cache=False``, verl
+    0.9.1's gated-delta-net patch cannot read transformers 5.8's cache)."""
     import torch
     import transformers as T
 
@@ -107,12 +108,41 @@ def tiny_qwen3_5(seed=0):
                                  "mrope_interleaved": True, "partial_rotary_factor": 1.0})
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, in_channels=3, patch_size=4,
                   spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=32, num_position_embeddings=16)
-    cfg = T.Qwen3_5Config(text_config=text, vision_config=vision, image_token_id=250, video_token_id=251,
-                          vision_start_token_id=252, vision_end_token_id=253, tie_word_embeddings=False)
+    if moe:
+        text.update(moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2)
+    config_cls, model_cls = ((T.Qwen3_5MoeConfig, T.Qwen3_5MoeForConditionalGeneration) if moe else
+                             (T.Qwen3_5Config, T.Qwen3_5ForConditionalGeneration))
+    cfg = config_cls(text_config=text, vision_config=vision, image_token_id=250, video_token_id=251,
+                     vision_start_token_id=252, vision_end_token_id=253, tie_word_embeddings=False)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = T.Qwen3_5ForConditionalGeneration(cfg)
+        model = model_cls(cfg)
     return model.float().train()
+
+
+def tiny_qwen2_vl(seed=0):
+    """Tiny untied Qwen2-VL, as ``tooling.tiny``'s Qwen2.5-VL (same patch grid and batches: ``make_batch``
+    of ``qwen2_5_vl`` fits it) with Qwen2-VL's own vision config.  Test-only, for the mixed-ranks proofs
+    (``test_mixed_families.py``): as a ``tooling.tiny`` family it would add rows to every family-wide test."""
+    import torch
+    import transformers as T
+
+    from fsdp2_compat.tooling.tiny.configs import _text, rope
+
+    vision = dict(depth=1, embed_dim=32, hidden_size=32, mlp_ratio=2, num_heads=2, in_channels=3, patch_size=4,
+                  spatial_merge_size=2, temporal_patch_size=2)
+    cfg = T.Qwen2VLConfig(text_config=_text(False, **rope(mrope_section=[2, 3, 3])), vision_config=vision,
+                          image_token_id=250, video_token_id=251, vision_start_token_id=252,
+                          vision_end_token_id=253, tie_word_embeddings=False)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = T.Qwen2VLForConditionalGeneration(cfg)
+    return model.float().train()
+
+
+# Test-only families (not in tooling.tiny): their builders, and the tiny family whose batches fit them.
+TEST_ONLY = {"qwen3_5": (tiny_qwen3_5, None), "qwen3_5_moe": (lambda seed=0: tiny_qwen3_5(seed, moe=True), None),
+             "qwen2_vl": (tiny_qwen2_vl, "qwen2_5_vl")}
 
 
 class _HeadOutput:
@@ -215,7 +245,7 @@ def _requires_no_gradient_sync(model):
 def _build(family, fused):
     from fsdp2_compat.tooling import tiny
 
-    model = tiny_qwen3_5() if family == "qwen3_5" else tiny.build(family, tie=False, seed=0)
+    model = TEST_ONLY[family][0]() if family in TEST_ONLY else tiny.build(family, tie=False, seed=0)
     if fused:
         from verl.models.transformers.monkey_patch import apply_monkey_patch
 
@@ -227,12 +257,14 @@ def _micro_batch(family, reference, seed, kind, fused):
     from fsdp2_compat.tooling import tiny
     from fsdp2_compat.tooling.verl_batches import add_verl_position_ids
 
-    if family == "qwen3_5":  # text-only micro-batches, as in verl issue #7520; images as Qwen3-VL's
+    if family in TEST_ONLY and TEST_ONLY[family][1]:
+        family = TEST_ONLY[family][1]
+    if family in ("qwen3_5", "qwen3_5_moe"):  # text-only micro-batches, as in verl issue #7520; images as Qwen3-VL's
         batch = tiny.make_batch("qwen3_vl" if kind == "image" else "qwen2", reference, seed=seed)
         batch["use_cache"] = False
     else:
         batch = tiny.make_batch(family, reference, seed=seed)
-        if kind == "text" and "pixel_values" in batch:
+        if kind == "text" and ("pixel_values" in batch or "input_features" in batch):
             batch = text_only(batch, seed + 1000)
     if fused:
         batch.pop("labels", None)

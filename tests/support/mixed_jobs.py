@@ -69,3 +69,25 @@ def root_unit_only(rank, world, directory, patches):
     train_against_reference(model, reference, rank, world, result, batches_for, loss_of, steps=1)
     result["dummy_forwards"] = mixed_media.STATS["dummy_forwards"] - before
     return result
+
+
+def patched_then_unpatched(rank, world, directory, framework, families, cases, unpatched):
+    """Every family's patched ``cases`` (``per_family``), then one unpatched case, in one pair of rank processes.
+
+    The patched results are written to ``directory/rank<N>.json`` before the unpatched case starts, because
+    gloo aborts the process that sees the collective mismatch (nothing can be returned after it); this
+    rank's stderr goes to ``directory/rank<N>.err`` (``with_stderr_file``).  ``unpatched``:
+    ``(family, case)``, the case's patches ``"user-without-mixed"``.  Returns the unpatched result, if the
+    rank lived to report it.
+    """
+    import json
+    import os
+
+    from fsdp2_compat.tooling.mixed import stderr_to_file
+
+    stderr_to_file(directory, rank)
+    patched = per_family(rank, world, framework, families, cases)
+    with open(os.path.join(directory, "rank%d.json" % rank), "w", encoding="utf-8") as out:
+        json.dump(patched, out, default=str)
+    family, case = unpatched
+    return per_family(rank, world, framework, [family], [case])[family]

@@ -1,0 +1,205 @@
+"""The media towers the mixed-ranks fix knows (``fixes.mixed_media``): one declarative entry per tower kind.
+
+Each ``Tower`` says, for the base model class whose ``forward`` is wrapped
+(``integrations.transformers_media``): the attribute that holds the tower,
+the forward's arguments that carry media (any of them given: the tower runs,
+no dummy), the token embedding module the forward calls first (the fix hooks
+its output), what the dummy needs from the config (``check``: None or why not),
+and how to run the model's *own* feature function (Qwen2-Audio has none: its
+tower and projector, as its forward runs them) on the smallest input it
+accepts (``run(model, device)``: its output, whose floating tensors the fix
+multiplies by 0).  The dummy must go through every parameterised module the
+real media path reaches (tower and projector), so every FSDP2 unit sees the
+same collectives as on a media rank; its values do not matter (zeros).
+
+``TOWERS`` maps the base model class name to its entry; a class without one
+gets ``PATCH_GRID`` (the Qwen/GLM families, where the fix started).  A model
+whose entry's tower attribute is missing, or whose config lacks what the dummy
+needs, is left alone by the fix, with a warning naming why (``reason``).
+"""
+
+from typing import Callable, NamedTuple, Optional, Tuple
+
+
+class Tower(NamedTuple):
+    attr: str  # the tower's attribute on the base model
+    media: Tuple[str, ...]  # forward arguments that carry media
+    check: Callable  # (model) -> None, or why the dummy cannot be built from its config
+    run: Callable  # (model, device) -> the model's own feature output on the smallest valid dummy
+    # the token embedding the forward calls before it runs the tower (the fix hooks it): (model) -> module
+    embed: Callable = lambda model: model.get_input_embeddings()
+
+
+def _ints(obj, *names):
+    values = [getattr(obj, n, None) for n in names]
+    return values if all(isinstance(v, int) and v > 0 for v in values) else None
+
+
+def _vision(model):
+    return getattr(getattr(model, "config", None), "vision_config", None)
+
+
+# --- Qwen2-VL, Qwen2.5-VL, Qwen3-VL(-MoE), GLM-4.1V/4.5V/4.6V, Qwen3.5(-MoE) -------------------------------
+# Patches come flattened, ``[n, channels * temporal patch * patch**2]``, with a ``[t, h, w]`` grid per image;
+# the tower merges ``m x m`` patches into one token (``spatial_merge_size``), so the smallest image the merger
+# accepts is one ``[1, m, m]`` grid of ``m * m`` patches: one merged token.
+
+def _grid_geometry(model):
+    vision = _vision(model)
+    if vision is None:
+        return "its config has no vision_config"
+    channels = getattr(vision, "in_channels", None) or getattr(vision, "in_chans", None)
+    rest = _ints(vision, "temporal_patch_size", "patch_size", "spatial_merge_size")
+    if not (isinstance(channels, int) and channels > 0 and rest):
+        return "its vision_config lacks in_channels / temporal_patch_size / patch_size / spatial_merge_size"
+    temporal, patch, merge = rest
+    return channels * temporal * patch * patch, merge
+
+
+def _grid_run(model, device):
+    import torch
+
+    width, merge = _grid_geometry(model)
+    grid = torch.tensor([[1, merge, merge]], dtype=torch.long, device=device)
+    return model.get_image_features(torch.zeros(merge * merge, width, device=device), grid)
+
+
+def _grid_check(model):
+    geometry = _grid_geometry(model)
+    return geometry if isinstance(geometry, str) else None
+
+
+PATCH_GRID = Tower("visual", ("pixel_values", "pixel_values_videos"), _grid_check, _grid_run)
+
+
+# --- PaddleOCR-VL (``PaddleOCRVLModel``) --------------------------------------------------------------------
+# ``get_image_features(pixel_values [n, channels, patch, patch], image_grid_thw)``: unflattened patches, the
+# same ``[t, h, w]`` grid; its projector (outside ``visual``, run by ``get_image_features``) merges
+# ``spatial_merge_size`` squared patches into a token, so one ``[1, m, m]`` grid is again the smallest image.
+
+def _paddle_check(model):
+    vision = _vision(model)
+    if vision is None or not _ints(vision, "num_channels", "patch_size", "spatial_merge_size"):
+        return "its vision_config lacks num_channels / patch_size / spatial_merge_size"
+    return None
+
+
+def _paddle_run(model, device):
+    import torch
+
+    channels, patch, merge = _ints(_vision(model), "num_channels", "patch_size", "spatial_merge_size")
+    grid = torch.tensor([[1, merge, merge]], dtype=torch.long, device=device)
+    return model.get_image_features(torch.zeros(merge * merge, channels, patch, patch, device=device), grid)
+
+
+# --- LFM2-VL (``Lfm2VlModel``) ------------------------------------------------------------------------------
+# SigLIP2 NaFlex tower (``vision_tower``): ``get_image_features(pixel_values [b, n, channels * patch**2],
+# spatial_shapes [b, 2] (patches per side), pixel_attention_mask [b, n])``; its projector pixel-unshuffles by
+# ``downsample_factor`` (f), so the smallest image it accepts is ``f x f`` patches (one token), all valid.
+
+def _lfm2_check(model):
+    config = getattr(model, "config", None)
+    vision = _vision(model)
+    if vision is None or not _ints(vision, "num_channels", "patch_size") or not _ints(config, "downsample_factor"):
+        return "its config lacks vision_config.num_channels / patch_size or downsample_factor"
+    return None
+
+
+def _lfm2_run(model, device):
+    import torch
+
+    channels, patch = _ints(_vision(model), "num_channels", "patch_size")
+    (factor,) = _ints(model.config, "downsample_factor")
+    n = factor * factor
+    return model.get_image_features(
+        pixel_values=torch.zeros(1, n, channels * patch * patch, device=device),
+        spatial_shapes=torch.tensor([[factor, factor]], dtype=torch.long, device=device),
+        pixel_attention_mask=torch.ones(1, n, dtype=torch.long, device=device))
+
+
+# --- Qwen2-Audio, Voxtral, AudioFlamingo3 (``*ForConditionalGeneration`` to 5.9.0, ``*Model`` from 5.10.0) ---
+# Whisper-style ``audio_tower``: it accepts exactly ``max_source_positions * conv1 stride * conv2 stride`` mel
+# frames (Qwen2-Audio and Voxtral raise on any other length; AudioFlamingo3 adds ``embed_positions.weight`` whole, so any other
+# length fails to broadcast), so the smallest valid input is one whole window of zeros (for the released
+# checkpoints, 3000 frames: one 30 s chunk, the cost of one audio micro-batch's encoder forward), all of it
+# valid in AudioFlamingo3's ``input_features_mask``; ``get_audio_features`` runs the tower and the projector.
+
+def _whisper_check(model):
+    audio = getattr(getattr(model, "config", None), "audio_config", None)
+    tower = getattr(model, "audio_tower", None)
+    if audio is None or not _ints(audio, "num_mel_bins", "max_source_positions"):
+        return "its audio_config lacks num_mel_bins / max_source_positions"
+    if not all(hasattr(tower, c) for c in ("conv1", "conv2")):
+        return "its audio_tower has no conv1 / conv2 (not the Whisper-style encoder)"
+    return None
+
+
+def _whisper_window(model, device):
+    import torch
+
+    mel, positions = _ints(model.config.audio_config, "num_mel_bins", "max_source_positions")
+    tower = model.audio_tower
+    return torch.zeros(1, mel, positions * tower.conv1.stride[0] * tower.conv2.stride[0], device=device)
+
+
+def _voxtral_run(model, device):
+    return model.get_audio_features(_whisper_window(model, device))
+
+
+def _audioflamingo3_run(model, device):
+    import torch
+
+    features = _whisper_window(model, device)
+    return model.get_audio_features(features, torch.ones(1, features.shape[-1], dtype=torch.long, device=device))
+
+
+# Qwen2-Audio has no feature function: its forward runs ``audio_tower`` and then ``multi_modal_projector``
+# inline (with a padding mask the whole window does not need: every frame is valid), and so does its dummy.
+# (Its forward runs the tower only when it embeds ``input_ids`` itself: a caller that passes ``inputs_embeds``
+# with audio gets no tower on that rank, patched or not, while a text-only rank runs the dummy; no trainer
+# this project runs does that, and the audio would be silently ignored anyway.)
+def _qwen2_audio_run(model, device):
+    return model.multi_modal_projector(model.audio_tower(_whisper_window(model, device)).last_hidden_state)
+
+
+_QWEN2_AUDIO = Tower("audio_tower", ("input_features",), _whisper_check, _qwen2_audio_run)
+_VOXTRAL = Tower("audio_tower", ("input_features",), _whisper_check, _voxtral_run)
+_AUDIOFLAMINGO3 = Tower("audio_tower", ("input_features",), _whisper_check, _audioflamingo3_run)
+
+TOWERS = {
+    # every release's forward calls ``self.language_model.embed_tokens`` itself (from 5.9.0 the class has no
+    # get_input_embeddings of its own)
+    "PaddleOCRVLModel": Tower("visual", ("pixel_values",), _paddle_check, _paddle_run,
+                              lambda model: model.language_model.embed_tokens),
+    "Lfm2VlModel": Tower("vision_tower", ("pixel_values",), _lfm2_check, _lfm2_run),
+    "Qwen2AudioForConditionalGeneration": _QWEN2_AUDIO,
+    "Qwen2AudioModel": _QWEN2_AUDIO,
+    "VoxtralForConditionalGeneration": _VOXTRAL,
+    "VoxtralModel": _VOXTRAL,
+    "AudioFlamingo3ForConditionalGeneration": _AUDIOFLAMINGO3,
+    "AudioFlamingo3Model": _AUDIOFLAMINGO3,
+}
+
+
+def for_model(model) -> Tower:
+    """The entry of ``model``'s class (or of the nearest base class with one), else ``PATCH_GRID``."""
+    for cls in type(model).__mro__:
+        if cls.__name__ in TOWERS:
+            return TOWERS[cls.__name__]
+    return PATCH_GRID
+
+
+def reason(model) -> Optional[str]:
+    """Why the dummy cannot be built for ``model`` (None when it can)."""
+    tower = for_model(model)
+    if getattr(model, tower.attr, None) is None:
+        return "it has no `%s` tower" % tower.attr
+    return tower.check(model)
+
+
+def media_inputs():
+    """Every argument name that carries media into a wrapped forward (any family)."""
+    names = dict.fromkeys(PATCH_GRID.media)
+    for tower in TOWERS.values():
+        names.update(dict.fromkeys(tower.media))
+    return tuple(names)

@@ -1,0 +1,194 @@
+"""Mixed text/image ranks (issue #20) on the families ``test_mixed_ranks.py`` does not run: real FSDP2, 2 CPU gloo ranks.
+
+``test_mixed_ranks.py`` proves the fix per framework on Qwen2.5-VL, Qwen3-VL,
+GLM-4.1V and Qwen3.5.  This module proves it per transformers release on the
+other families the fix wraps (GLM-4.5V ``glm4v_moe``, GLM-4.6V ``glm46v``,
+Qwen3-VL-MoE ``qwen3_vl_moe``, LFM2-VL, PaddleOCR-VL, and the audio towers of
+Qwen2-Audio, Voxtral and AudioFlamingo3 from ``tooling.tiny``; Qwen2-VL and Qwen3.5-MoE from
+the test-only builders of ``accum_jobs.TEST_ONLY``): their forwards are
+separate targets with fingerprints of their own, and the last five towers have
+adapters of their own (``fixes.media_towers``).  Its outcome
+depends on torch and transformers only, so the sharding is one generic
+per-layer-class ``fully_shard`` (``FRAMEWORK``: the first installed framework
+of ``PREFERRED``, whose own ``apply_fsdp2`` / ``parallelize_model`` gives every
+``_no_split_modules`` class a unit; accelerate's FSDP2 preparation where only
+TRL is installed).
+
+One pair of rank processes runs everything (``mixed_jobs.patched_then_unpatched``):
+every family patched (rank 0 image / rank 1 text-only, then the reverse; each
+gradient against the unsharded reference trained on the data-parallel
+average), then one family unpatched (its patch without the mixed-ranks
+targets), which gloo aborts with its collective-mismatch message under a 20 s
+process-group timeout: the abort ends the process, so the unpatched case runs
+last and once (the mechanism is the same for every family; the per-family
+claim is the patched one, and ``test_mixed_ranks.py`` shows the abort per
+framework).
+
+The catalogued families with a media tower the fix does not know are checked
+here too: their patches carry no mixed-ranks target, and the fix says why it
+would leave their tower alone (``mixed_media.unknown_tower``).
+"""
+
+import json
+import os
+import tempfile
+
+import pytest
+
+pytest.importorskip("torch", reason="needs torch (real FSDP2 on CPU gloo)")
+pytest.importorskip("transformers", reason="needs transformers (tiny models)")
+
+from fsdp2_compat import registry  # noqa: E402
+from fsdp2_compat.core import guards  # noqa: E402
+from fsdp2_compat.tooling.ranks import RankError, run_ranks  # noqa: E402
+from support import accum_jobs, mixed_jobs  # noqa: E402
+
+DEPENDS_ON = ("torch", "transformers")
+
+PG_TIMEOUT = 20
+STEPS = ((("image",), ("text",)), (("text",), ("image",)))  # rank 0 image / rank 1 text-only, then the reverse
+MISMATCH = "Received data size doesn't match expected size. Is there a distributed collective mismatch"
+FAMILIES = ("glm4v_moe", "glm46v", "qwen3_vl_moe", "qwen2_vl", "qwen3_5_moe", "lfm2_vl", "paddleocr_vl", "qwen2_audio",
+            "voxtral", "audioflamingo3")
+# Built by the tests only (accum_jobs.TEST_ONLY): the transformers class each needs.
+TEST_ONLY_CLASS = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
+TOWER = {"lfm2_vl": "vision_tower", "qwen2_audio": "audio_tower", "voxtral": "audio_tower", "audioflamingo3": "audio_tower"}  # the tower's attribute on the base model where it is not `visual`
+# No vision layer class in _no_split_modules: the tower is in the root unit, whose reduce-scatter is shorter
+# on a text-only rank unpatched (its vision parameters have no gradient).
+ROOT_UNIT_TOWERS = ("paddleocr_vl",)
+UNPATCHED_FAMILY = "glm4v_moe"
+# Wrapping frameworks whose generic per-layer-class fully_shard this module uses, the first installed one.
+PREFERRED = ("verl", "skyrl", "skyrl-train", "llamafactory", "areal")  # (AReaL imports slowest)
+# Catalogued families with a media tower that the fix does not know (no `visual` with the Qwen/GLM patch grid).
+_GRID_LACKS = "its vision_config lacks in_channels / temporal_patch_size / patch_size / spatial_merge_size"
+UNKNOWN_TOWERS = {
+    # families new in transformers 5.1x (tooling.tiny.recent): not read for the mixed-ranks fix
+    "hunyuan_vl": "it has no `visual` tower",
+    "step3p7": "it has no `visual` tower",
+    "glm_image": _GRID_LACKS,  # a `visual` tower, without the Qwen/GLM patch-grid config
+    "cosmos3_edge": _GRID_LACKS,
+    "deepseek_ocr2": "it has no `visual` tower",
+    "chameleon": "it has no `visual` tower",  # a VQ image tokenizer, no encoder tower
+}
+
+
+# accelerate's FSDP2 preparation (fsdp_transformer_layer_cls_to_wrap from _no_split_modules) refuses these
+# before sharding anything, patched or not: nothing to prove there about mixed ranks.
+ACCELERATE_CANNOT_WRAP = {
+    "lfm2_vl": "accelerate's FSDP2 preparation raises 'Could not find the transformer layer class "
+               "Siglip2MultiheadAttentionPoolingHead in the model' (a _no_split_modules class LFM2-VL never builds)",
+}
+
+
+def _framework():
+    """``(framework, None)`` or ``(None, why not)``."""
+    for dist in PREFERRED:
+        if guards.installed_version(dist):
+            return dist, None
+    if guards.installed_version("trl"):
+        return "accelerate", None
+    return None, "no wrapping framework (%s) and no TRL in this pinned set" % ", ".join(PREFERRED)
+
+
+FRAMEWORK, NO_FRAMEWORK = _framework()
+
+
+def _runnable():
+    """``{family: None or the reason it cannot run here}``."""
+    from fsdp2_compat.tooling import tiny
+
+    out = {}
+    for family in FAMILIES:
+        reason = NO_FRAMEWORK
+        if reason is None and family in TEST_ONLY_CLASS:
+            import transformers
+
+            if not hasattr(transformers, TEST_ONLY_CLASS[family]):
+                reason = "transformers %s has no %s" % (transformers.__version__, TEST_ONLY_CLASS[family])
+        elif reason is None and tiny.wrappable(family) is not True:
+            reason = str(tiny.wrappable(family))
+        if reason is None and FRAMEWORK == "accelerate" and family in ACCELERATE_CANNOT_WRAP:
+            reason = ACCELERATE_CANNOT_WRAP[family]
+        out[family] = reason
+    return out
+
+
+RUNNABLE = _runnable()
+_RESULTS = {}
+
+
+def _run():
+    """``(patched {family: [rank results]}, unpatched [(outcome, stderr)] per rank)``, from one pair of ranks."""
+    if "run" not in _RESULTS:
+        families = [f for f, why in RUNNABLE.items() if why is None]
+        unpatched = (UNPATCHED_FAMILY if UNPATCHED_FAMILY in families else families[0],
+                     ("unpatched", "user-without-mixed", "fp32", "every", STEPS))
+        cases = [("fp32 every", "user", "fp32", "every", STEPS)]
+        with tempfile.TemporaryDirectory(prefix="mixed_families_") as tmp:
+            try:
+                got = run_ranks(mixed_jobs.patched_then_unpatched, 2, tmp, FRAMEWORK, families, cases, unpatched,
+                                timeout=PG_TIMEOUT + 240, retries=0, pg_timeout=PG_TIMEOUT)
+                outcomes = [r["unpatched"]["error"] for r in got]
+            except RankError as exc:
+                outcomes = [exc.errors.get(rank, ("reported nothing else", ""))[0] for rank in range(2)]
+            patched, stderr = [], []
+            for rank in range(2):
+                path = os.path.join(tmp, "rank%d.json" % rank)
+                patched.append(json.load(open(path, encoding="utf-8")) if os.path.exists(path) else None)
+                path = os.path.join(tmp, "rank%d.err" % rank)
+                stderr.append(open(path, encoding="utf-8", errors="replace").read() if os.path.exists(path) else "")
+        assert None not in patched, "a rank died before its patched results were written: %s %s" % (outcomes, stderr)
+        _RESULTS["run"] = ({f: [p[f] for p in patched] for f in families}, unpatched[0],
+                           list(zip(outcomes, stderr)))
+    return _RESULTS["run"]
+
+
+def _marks(family):
+    marks = [pytest.mark.xdist_group("mixed-families")]
+    if RUNNABLE[family]:
+        marks.append(pytest.mark.skip(reason=RUNNABLE[family]))
+    return marks
+
+
+@pytest.mark.parametrize("family", [pytest.param(f, marks=_marks(f), id=f) for f in FAMILIES])
+def test_patched_mixed_ranks_train_to_the_dp_average(family):
+    patched, _, _ = _run()
+    results = patched[family]
+    for rank, r in enumerate(results):
+        accum_jobs.assert_close(r["fp32 every"], "fp32", "%s %s rank %d" % (FRAMEWORK, family, rank))
+    # each rank is text-only in one of the two steps: one dummy vision forward each, never on the image step
+    # (so the fix found the tower FSDP2-managed: units of its own, or PaddleOCR-VL's root unit around it)
+    assert [r["fp32 every"]["dummy_forwards"] for r in results] == [1, 1], results
+    assert results[0]["fp32 every"]["losses"] != results[1]["fp32 every"]["losses"], "same data on both ranks"
+    tower = ".%s." % TOWER.get(family, "visual")  # (Voxtral before 5.10.0: on the outer model, no ``model.``)
+    own_units = any(tower in ".%s." % name for name in results[0]["fp32 every"]["wrapped"])
+    assert own_units == (family not in ROOT_UNIT_TOWERS), results[0]["fp32 every"]["wrapped"]
+
+
+@pytest.mark.xdist_group("mixed-families")
+@pytest.mark.skipif(all(RUNNABLE.values()), reason="no family runs here: %s" % "; ".join(
+    sorted(set(str(why) for why in RUNNABLE.values()))))
+def test_unpatched_a_text_only_rank_breaks_the_vision_units_collectives():
+    _, family, ranks = _run()
+    assert any(MISMATCH in outcome or MISMATCH in stderr for outcome, stderr in ranks), (family, ranks)
+    assert not any(outcome is None for outcome, _ in ranks), (family, ranks)  # no rank trained through it
+
+
+@pytest.mark.parametrize("family", sorted(UNKNOWN_TOWERS))
+def test_unknown_towers_are_not_claimed_and_the_fix_says_why(family):
+    """No target of the family's patch is a mixed-ranks forward (status claims nothing for it), ``needed_for``
+    says the model's forward is not ours, and the fix's own check names what it does not know about the tower
+    (what its warning would say if the forward were wrapped)."""
+    from fsdp2_compat.fixes import mixed_media
+    from fsdp2_compat.tooling import tiny
+
+    if tiny.available(family) is not True:
+        pytest.skip(str(tiny.available(family)))
+    patch = registry.for_model_type(family)
+    assert patch is not None, family
+    assert not [t.attr for t in patch.targets if t in registry.MIXED_MEDIA], patch.name
+    model = tiny.quiet(tiny.build, family)
+    base = getattr(model, "model", model)  # (Qwen2-Audio before 5.10.0 holds its tower on the outer class)
+    assert mixed_media.unknown_tower(base) == UNKNOWN_TOWERS[family]
+    needed, why = mixed_media.needed_for(base)  # what status reports for a model instance
+    assert not needed and why.startswith("%s.forward is not fsdp2-compat's" % type(base).__name__), why
