@@ -32,7 +32,6 @@ DEPENDS_ON = ("torch", "transformers", "accelerate", "trl")
 TRL = guards.installed_version("trl")
 pytestmark = [
     pytest.mark.skipif(trl_jobs.cannot_show_the_bug() is not None, reason=str(trl_jobs.cannot_show_the_bug())),
-    pytest.mark.xdist_group("trl"),
 ]
 
 TOL = 1e-5

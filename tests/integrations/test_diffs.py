@@ -284,6 +284,11 @@ def _jobs(tree, patches):
     return jobs
 
 
+# The oracle runs every job of this set at once (~30-60 s): its tests share one worker, or each worker
+# that gets one of them would run it again.
+ORACLE_GROUP = pytest.mark.xdist_group("oracle")
+
+
 @pytest.fixture(scope="session")
 def oracle(tmp_path_factory):
     """``{"source": {job: ...}, "runtime": {job: ...}}`` for every installed pinned release.
@@ -344,6 +349,7 @@ def _results(oracle, job):
     [pytest.param(d, marks=pytest.mark.skipif(d not in ORACLE_DISTS, reason="%s: no pinned release installed here" % d))
      for d in WRAPPING],
 )
+@ORACLE_GROUP
 def test_patched_source_wraps_the_same_units_as_the_runtime_patch(oracle, framework):
     [source], [runtime] = _results(oracle, "wrap:" + framework)
     families = _families()
@@ -386,6 +392,7 @@ def test_patched_source_wraps_the_same_units_as_the_runtime_patch(oracle, framew
 
 @pytest.mark.depends_on("torch", "transformers", "verl")
 @pytest.mark.skipif("verl" not in ORACLE_DISTS, reason="no pinned verl release installed here")
+@ORACLE_GROUP
 def test_patched_source_fused_forwards_match_the_runtime_patch(oracle):
     source, runtime = _results(oracle, "fused")
     version = installed("verl")
@@ -425,6 +432,7 @@ def test_patched_source_fused_forwards_match_the_runtime_patch(oracle):
 
 @pytest.mark.depends_on("torch", "transformers", "trl", "accelerate")
 @pytest.mark.skipif(not TRL_ORACLE, reason="no trl release with TRL diffs installed here (patches/trl/1.16.0 only)")
+@ORACLE_GROUP
 def test_patched_source_trl_losses_match_the_runtime_patch(oracle):
     for family, path in TRL_CASES:
         source, runtime = _results(oracle, "trl:%s:%s" % (family, path))

@@ -34,7 +34,6 @@ TRL = guards.installed_version("trl")
 ACCELERATE = guards.installed_version("accelerate")
 pytestmark = [
     pytest.mark.skipif(trl_jobs.cannot_show_the_bug() is not None, reason=str(trl_jobs.cannot_show_the_bug())),
-    pytest.mark.xdist_group("trl"),  # one forkserver with TRL preloaded serves them all
 ]
 
 TOL = 1e-5

@@ -36,7 +36,6 @@ pytestmark = [
                        reason="trl %s: the fused head runs on CPU from 1.16.0 (1.15.0 needs Triton)" % TRL),
     pytest.mark.skipif(not guards.in_range(ACCELERATE, ">=1.14.0"),
                        reason="accelerate %s keeps lm_head in the root unit (the tail unit is 1.14.0+)" % ACCELERATE),
-    pytest.mark.xdist_group("trl"),
 ]
 FAMILIES = ("qwen3_vl", "qwen2_5_vl", "qwen2")
 
