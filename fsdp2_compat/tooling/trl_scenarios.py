@@ -252,7 +252,9 @@ def _train(rank, world, family, path, bf16, steps, lr, recording, convention):
         from trl.trainer.sft_config import SFTConfig
 
         # Before the Accelerator: setting up TrainingArguments' device resets accelerate's shared state.
-        sft_args = SFTConfig(output_dir=tempfile.mkdtemp(prefix="fsdp2_compat_trl_"), report_to=[], use_cpu=True)
+        # Nothing is saved there; the folder goes when this function returns (the object's finalizer).
+        scratch = tempfile.TemporaryDirectory(prefix="fsdp2_compat_trl_")
+        sft_args = SFTConfig(output_dir=scratch.name, report_to=[], use_cpu=True)
         sft_args.device
     acc = make_accelerator(bf16)
     model = tiny_models.build(family, tie=False, seed=0)

@@ -49,8 +49,9 @@ def _trainer_step(rank, world, family, tie, read, lr):
         seen.append((by_ids[tuple(kwargs["input_ids"].reshape(-1).tolist())], kwargs.get("num_items_in_batch")))
 
     model.register_forward_pre_hook(record, with_kwargs=True)
+    scratch = tempfile.TemporaryDirectory(prefix="fsdp2_compat_acc_")  # removed when this function returns
     args = TrainingArguments(
-        output_dir=tempfile.mkdtemp(prefix="fsdp2_compat_acc_"), report_to=[], use_cpu=True, max_steps=1,
+        output_dir=scratch.name, report_to=[], use_cpu=True, max_steps=1,
         per_device_train_batch_size=1, learning_rate=lr, optim="sgd", lr_scheduler_type="constant",
         warmup_steps=0, weight_decay=0.0, max_grad_norm=0.0, save_strategy="no", remove_unused_columns=False,
         average_tokens_across_devices=True, seed=0, fsdp="full_shard auto_wrap",

@@ -87,8 +87,9 @@ def _sft_train_step(rank, world, family, bf16, accum, lr):
         seen.append(by_ids[tuple(kwargs["input_ids"].reshape(-1).tolist())])
 
     model.register_forward_pre_hook(record, with_kwargs=True)
+    scratch = tempfile.TemporaryDirectory(prefix="fsdp2_compat_trl_")  # removed when this function returns
     args = SFTConfig(
-        output_dir=tempfile.mkdtemp(prefix="fsdp2_compat_trl_"), report_to=[], use_cpu=True, max_steps=1,
+        output_dir=scratch.name, report_to=[], use_cpu=True, max_steps=1,
         per_device_train_batch_size=1, gradient_accumulation_steps=int(accum), learning_rate=lr, optim="sgd",
         lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=0.0, logging_steps=1,
         save_strategy="no", remove_unused_columns=False, dataset_kwargs={"skip_prepare_dataset": True},
