@@ -13,28 +13,55 @@ for _name in [n for n in os.environ if n.startswith("FSDP2_COMPAT_")]:
     del os.environ[_name]
 
 
-def run_python(code, env=None, check=True, timeout=300):
-    """Run ``code`` in a fresh interpreter (clean import state); return CompletedProcess."""
+def _child_env(env):
     full_env = dict(os.environ)
     full_env.pop("FSDP2_COMPAT_PATCHES", None)
     full_env.pop("FSDP2_COMPAT_STRICT", None)
     full_env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, full_env.get("PYTHONPATH")) if p)
     full_env.update(env or {})
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        env=full_env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return full_env
+
+
+def _checked(proc, check):
     if check and proc.returncode != 0:
         raise AssertionError("subprocess failed (%d):\n%s\n%s" % (proc.returncode, proc.stdout, proc.stderr))
     return proc
 
 
+def run_python(code, env=None, check=True, timeout=300):
+    """Run ``code`` in a fresh interpreter (clean import state); return CompletedProcess."""
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=_child_env(env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return _checked(proc, check)
+
+
 @pytest.fixture(scope="session")
 def python():
     return run_python
+
+
+@pytest.fixture(scope="session")
+def warm_python():
+    """``run_python`` in a child forked from a server that has imported torch and transformers.
+
+    For tests about what happens when fsdp2-compat and a framework are imported (each child still
+    imports them itself); never for tests about start-up, about what gets imported, or about an
+    environment variable torch or transformers read at import (``support/warm.py``).
+    """
+    from support.warm import WarmPython
+
+    server = WarmPython(_child_env(None))
+
+    def run(code, env=None, check=True, timeout=300):
+        return _checked(server.run(code, _child_env(env), timeout=timeout), check)
+
+    yield run
+    server.close()
 
 
 @pytest.fixture(autouse=True)

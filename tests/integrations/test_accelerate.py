@@ -206,9 +206,9 @@ def test_installed_release_is_classified_by_its_code():
             assert label is not None and guards.in_range(ACCELERATE, target.versions), (target.key, fp)
 
 
-def test_seams_apply_rebind_callers_and_revert(python):
+def test_seams_apply_rebind_callers_and_revert(warm_python):
     """Outcomes on the installed accelerate, the by-name callers rebound, torch's fully_shard untouched after."""
-    proc = python(
+    proc = warm_python(
         """
         import json
         import accelerate.accelerator as accel, accelerate.utils as utils, accelerate.utils.fsdp_utils as fu

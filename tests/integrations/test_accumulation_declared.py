@@ -45,8 +45,8 @@ def test_the_catalogue_classifies_the_installed_torch_one_way_for_both_seams():
     assert not (NOT_NEEDED and any(fingerprinted)), (TORCH, DECLARED)
 
 
-def test_status_after_import_says_what_the_run_below_shows(python):
-    proc = python(
+def test_status_after_import_says_what_the_run_below_shows(warm_python):
+    proc = warm_python(
         """
         import json
         import fsdp2_compat

@@ -46,9 +46,9 @@ print(json.dumps(report))
 
 
 @pytest.mark.parametrize("before", [True, False], ids=["imported-before-patch", "imported-after-patch"])
-def test_parallelize_model_alias_follows_the_patch_and_the_revert(python, before):
+def test_parallelize_model_alias_follows_the_patch_and_the_revert(warm_python, before):
     [caller] = areal.INTEGRATION.callers
-    proc = python(SCRIPT % {"caller": caller, "utils": areal.INTEGRATION.wrap_module, "before": before})
+    proc = warm_python(SCRIPT % {"caller": caller, "utils": areal.INTEGRATION.wrap_module, "before": before})
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report == {"patched_is_shared": True, "patched_is_new": True, "wraps_original": True,
                       "status": ["applied"], "reverted": True}

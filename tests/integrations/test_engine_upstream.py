@@ -28,9 +28,9 @@ def verl_selection_target():
     return target
 
 
-def test_hook_waits_for_the_import(python):
+def test_hook_waits_for_the_import(warm_python):
     target = verl_selection_target()
-    proc = python(
+    proc = warm_python(
         """
         import sys, json
         import fsdp2_compat.auto
@@ -168,8 +168,8 @@ def test_a_release_outside_the_proven_range_with_known_code_is_applied_with_a_no
     assert "verl %s not in the proven range <0.0.1" % VERL in outcome.detail and "code identical to the" in outcome.detail
 
 
-def test_drifted_code_of_a_requested_patch_warns_on_stderr_at_import(python):
-    proc = python(
+def test_drifted_code_of_a_requested_patch_warns_on_stderr_at_import(warm_python):
+    proc = warm_python(
         """
         import fsdp2_compat.auto
         from fsdp2_compat import registry
@@ -250,8 +250,8 @@ def test_strict_mode_accepts_the_sibling_seam_being_out_of_range():
     assert engine.APPLIED in kinds.values()
 
 
-def test_strict_from_the_environment_fails_the_import(python):
-    proc = python(
+def test_strict_from_the_environment_fails_the_import(warm_python):
+    proc = warm_python(
         """
         import fsdp2_compat.auto
         from fsdp2_compat import registry
@@ -266,8 +266,8 @@ def test_strict_from_the_environment_fails_the_import(python):
     assert "Fsdp2CompatError" in proc.stderr and "unknown upstream code" in proc.stderr
 
 
-def test_status_cli_reports_the_applied_patch_as_json(python):
-    proc = python(
+def test_status_cli_reports_the_applied_patch_as_json(warm_python):
+    proc = warm_python(
         "import sys; from fsdp2_compat.cli import main; sys.exit(main(['status', '--json', '--patches', 'glm4v']))"
     )
     report = json.loads(proc.stdout)
@@ -283,8 +283,8 @@ def test_status_cli_reports_the_applied_patch_as_json(python):
 
 
 @pytest.mark.depends_on("python", "{framework}")
-def test_status_shows_glm4v_applied_for_every_installed_framework(python):
-    proc = python(
+def test_status_shows_glm4v_applied_for_every_installed_framework(warm_python):
+    proc = warm_python(
         """
         import json
         import fsdp2_compat
@@ -307,8 +307,8 @@ def test_status_shows_glm4v_applied_for_every_installed_framework(python):
 
 
 @pytest.mark.skipif(VERL is None or not guards.in_range(VERL, ">=0.6.0"), reason="verl < 0.6.0 has no Qwen3-VL forward")
-def test_status_shows_qwen3vl_applied_on_the_installed_verl(python):
-    proc = python(
+def test_status_shows_qwen3vl_applied_on_the_installed_verl(warm_python):
+    proc = warm_python(
         """
         import json
         import fsdp2_compat

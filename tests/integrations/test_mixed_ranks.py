@@ -222,10 +222,10 @@ def test_one_process_gets_no_dummy_and_status_says_why():
 
 @pytest.mark.skipif(not VERL or not guards.in_range(VERL, ">=0.6.0"),
                     reason="verl %s: its own Qwen2-VL forward with the text-only dummy is 0.6.0+" % VERL)
-def test_status_says_not_needed_where_verl_installed_its_own_forward(python):
+def test_status_says_not_needed_where_verl_installed_its_own_forward(warm_python):
     """verl's ``apply_monkey_patch`` assigns its own ``Qwen2_5_VLModel.forward`` over ours: status says that code
     runs instead ("not needed": it runs its own dummy, proven above), never "applied"."""
-    out = python("""
+    out = warm_python("""
         import fsdp2_compat
         fsdp2_compat.apply("qwen2vl")
         from fsdp2_compat.tooling import tiny

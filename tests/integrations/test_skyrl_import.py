@@ -38,8 +38,8 @@ print(json.dumps({
 
 
 @pytest.mark.skipif(sys.version_info < (3, 12), reason="Python %d.%d: the workaround's interpreter" % sys.version_info[:2])
-def test_on_python_312_skyrl_backends_runs_its_released_init(python):
-    report = json.loads(python(SCRIPT).stdout.strip().splitlines()[-1])
+def test_on_python_312_skyrl_backends_runs_its_released_init(warm_python):
+    report = json.loads(warm_python(SCRIPT).stdout.strip().splitlines()[-1])
     assert report["file"].endswith("skyrl/backends/__init__.py")
     assert report["origin"] == report["file"], "skyrl.backends is not the released package module"
     assert "__init__ skipped" not in (report["doc"] or "")
@@ -48,8 +48,8 @@ def test_on_python_312_skyrl_backends_runs_its_released_init(python):
 
 
 @pytest.mark.skipif(sys.version_info >= (3, 12), reason="Python 3.12+ imports skyrl.backends as released")
-def test_below_python_312_only_the_package_init_is_skipped(python):
-    report = json.loads(python(SCRIPT).stdout.strip().splitlines()[-1])
+def test_below_python_312_only_the_package_init_is_skipped(warm_python):
+    report = json.loads(warm_python(SCRIPT).stdout.strip().splitlines()[-1])
     assert "__init__ skipped (Python < 3.12)" in report["doc"]
     assert not report["exports_backend"]
     # The module under test is still the released file.

@@ -54,9 +54,9 @@ print(json.dumps(report))
 
 @pytest.mark.parametrize("before", [True, False], ids=["imported-before-patch", "imported-after-patch"])
 @pytest.mark.parametrize("dist", DISTS)
-def test_fsdp_strategy_alias_follows_the_patch_and_the_revert(python, dist, before):
+def test_fsdp_strategy_alias_follows_the_patch_and_the_revert(warm_python, dist, before):
     integration = integrations.get(dist)
     [strategy] = integration.callers
-    proc = python(SCRIPT % {"tests": TESTS, "strategy": strategy, "utils": integration.wrap_module, "before": before})
+    proc = warm_python(SCRIPT % {"tests": TESTS, "strategy": strategy, "utils": integration.wrap_module, "before": before})
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report == {"patched_is_shared": True, "patched_is_new": True, "wraps_original": True, "reverted": True}

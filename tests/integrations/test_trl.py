@@ -149,9 +149,9 @@ def test_async_distillation_compute_loss(patch):
     assert results[0]["losses"] != results[1]["losses"]
 
 
-def test_patch_rebinds_callers_keeps_a_bound_method_and_reverts(python):
+def test_patch_rebinds_callers_keeps_a_bound_method_and_reverts(warm_python):
     """The seam's mechanics in a fresh interpreter, on the installed TRL."""
-    proc = python(
+    proc = warm_python(
         """
         import inspect, json, types
         import fsdp2_compat

@@ -189,13 +189,13 @@ for family in ("qwen3_vl", "qwen2", "glm4v", "glm4v_moe"):
 @pytest.mark.depends_on("torch", "transformers", "verl")
 @needs_verl
 @pytest.mark.skipif(VERL is None or not guards.in_range(VERL, ">=0.6.0"), reason="verl < 0.6.0 has no fused Qwen3-VL forward")
-def test_fused_forward_lm_head_read(python):
+def test_fused_forward_lm_head_read(warm_python):
     families = ("qwen3_vl", "qwen2", "glm4v", "glm4v_moe")
     for family in families:
         reason = tiny_models.available(family)
         if reason is not True:
             pytest.skip(str(reason))
-    proc = python(_FUSED)
+    proc = warm_python(_FUSED)
     results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert [r["family"] for r in results] == list(families), proc.stdout + proc.stderr
     for r in results:
