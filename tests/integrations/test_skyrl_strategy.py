@@ -10,11 +10,20 @@ parameters after two steps match an unsharded reference trained on the
 data-parallel average (fp32, 1e-5).  Generic over the installed ``skyrl``
 (0.3.0 in tf5, 0.4.0 on Python 3.12).
 
+Mixed text/image ranks (issue #20) through the same strategy: one rank's batch
+text-only, the other's with images, then the reverse.  Without the family's
+mixed-ranks targets the text-only rank skips the vision units' collectives and
+gloo reports the mismatch (under a 20 s process-group timeout: never a hang);
+with the whole patch both steps match the data-parallel reference.
+
 Stand-ins (CUDA-bound only, see ``tooling/engines/cpu.py``): CPU copies of
 SkyRL's three CUDA-only helpers, used only where the installed helpers are the
 fingerprinted code they copy; ``flash_attn.bert_padding`` while
 ``model_wrapper`` imports.  Nothing fsdp2-compat patches is replaced.
 """
+
+import os
+import tempfile
 
 import pytest
 
@@ -24,7 +33,8 @@ pytest.importorskip("transformers", reason="needs transformers (tiny models)")
 from fsdp2_compat import registry  # noqa: E402
 from fsdp2_compat.tooling import tiny as tiny_models  # noqa: E402
 from fsdp2_compat.tooling.engines import common, skyrl_strategy  # noqa: E402
-from fsdp2_compat.tooling.ranks import run_ranks  # noqa: E402
+from fsdp2_compat.tooling.ranks import RankError, run_ranks  # noqa: E402
+from support import mixed_jobs  # noqa: E402
 
 # The releases this module's outcome depends on: .ci/test runs it once per distinct set of them (.ci/matrix.py).
 DEPENDS_ON = ("torch", "transformers", "skyrl")
@@ -87,3 +97,36 @@ def test_patched_strategy_matches_the_dp_average(model_dirs, family):
     r = results[0]
     assert r["activation"]["outcomes"] == {SKYRL_TARGET: "applied"}, r["activation"]  # the wrap selection fixes it
     assert "model.visual.embeddings.position_embedding" not in r["units"], r["units"]
+
+
+MIXED_FAMILY = "glm4v"
+PG_TIMEOUT = 20
+MISMATCH = "Received data size doesn't match expected size. Is there a distributed collective mismatch"
+
+
+@pytest.mark.skipif(tiny_models.wrappable(MIXED_FAMILY) is not True, reason=str(tiny_models.wrappable(MIXED_FAMILY)))
+def test_patched_strategy_trains_text_only_and_image_ranks_to_the_dp_average(model_dirs):
+    patch = registry.for_model_type(MIXED_FAMILY).name
+    results = run_ranks(skyrl_strategy.train_skyrl_strategy, 2, MIXED_FAMILY, model_dirs(MIXED_FAMILY), patch,
+                        kwargs={"mixed": True})
+    _assert_matches(results)
+    # each rank was text-only on one of the two steps: one dummy vision forward per micro-batch of that step
+    per_step = skyrl_strategy.SAMPLES_PER_RANK // skyrl_strategy.MICRO_BATCH
+    assert [r["dummy_forwards"] for r in results] == [per_step, per_step]
+
+
+@pytest.mark.skipif(tiny_models.wrappable(MIXED_FAMILY) is not True, reason=str(tiny_models.wrappable(MIXED_FAMILY)))
+def test_without_the_mixed_ranks_targets_a_text_only_rank_breaks_the_strategy_step(model_dirs):
+    patches = [registry.for_model_type(MIXED_FAMILY).name] + ["-" + t.key for t in registry.MIXED_MEDIA]
+    with tempfile.TemporaryDirectory(prefix="skyrl_mixed_") as tmp:
+        try:
+            got = run_ranks(mixed_jobs.strategy_with_stderr_file, 2, tmp, MIXED_FAMILY, model_dirs(MIXED_FAMILY),
+                            patches, kwargs={"mixed": True, "steps": 1}, timeout=PG_TIMEOUT + 60, retries=0,
+                            pg_timeout=PG_TIMEOUT)
+            outcomes = [r["error"] for r in got]
+        except RankError as exc:
+            outcomes = [exc.errors.get(rank, ("reported nothing else", ""))[0] for rank in range(2)]
+        stderr = [open(os.path.join(tmp, "rank%d.err" % rank), errors="replace").read()
+                  if os.path.exists(os.path.join(tmp, "rank%d.err" % rank)) else "" for rank in range(2)]
+    assert any(MISMATCH in str(o) or MISMATCH in e for o, e in zip(outcomes, stderr)), (outcomes, stderr)
+    assert not any(o is None for o in outcomes), outcomes  # no rank trained through it

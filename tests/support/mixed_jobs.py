@@ -91,3 +91,13 @@ def patched_then_unpatched(rank, world, directory, framework, families, cases, u
         json.dump(patched, out, default=str)
     family, case = unpatched
     return per_family(rank, world, framework, [family], [case])[family]
+
+
+def strategy_with_stderr_file(rank, world, directory, *args, **kwargs):
+    """``tooling.engines.skyrl_strategy.train_skyrl_strategy`` with this rank's fd 2 in ``directory/rank<N>.err``
+    (gloo prints the collective mismatch there before it aborts the rank)."""
+    from fsdp2_compat.tooling.engines import skyrl_strategy
+    from fsdp2_compat.tooling.mixed import stderr_to_file
+
+    stderr_to_file(directory, rank)
+    return skyrl_strategy.train_skyrl_strategy(rank, world, *args, **kwargs)

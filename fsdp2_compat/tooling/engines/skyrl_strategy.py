@@ -98,6 +98,15 @@ def make_batch(family, model, seed):
             "image_grid_thw": batch.get("image_grid_thw")}
 
 
+def _text_only(batch, seed):
+    """``batch`` without its images: a text-only rank's micro-batches (same lengths and padding)."""
+    from fsdp2_compat.tooling.tiny.text import text_only
+
+    plain = text_only({"input_ids": batch["sequences"]}, seed)
+    ids = plain["input_ids"] * batch["attention_mask"]
+    return dict(batch, sequences=ids, pixel_values=None, image_grid_thw=None)
+
+
 def _micro_batches(batch):
     n = batch["sequences"].shape[0]
     per = batch["pixel_values"].shape[0] // n if batch["pixel_values"] is not None else 0
@@ -133,17 +142,21 @@ def _configs(model_dir):
     return fsdp, optim, ModelConfig(path=model_dir)
 
 
-def train_skyrl_strategy(rank, world, family, model_dir, patches, steps=2):
+def train_skyrl_strategy(rank, world, family, model_dir, patches, steps=2, mixed=False):
     """Train ``family`` from ``model_dir`` through SkyRL's FSDPStrategy on this rank; see the module docstring.
 
-    ``patches``: as ``common.activate``.  Returns ``{"error", "losses",
-    "loss_err", "grad_err", "worst_grad", "lm_head_grad_err", "param_err",
-    "grad_norm_err", "units", "skyrl", "activation", "init_s", "step_s"}``.
+    ``patches``: as ``common.activate``.  ``mixed``: on step ``s`` rank
+    ``(s + 1) % world`` gets a text-only batch (``tiny.text.text_only``), the
+    others images: a mixed dataset's micro-batches (the reference trains on the
+    same batches).  Returns ``{"error", "losses", "loss_err", "grad_err",
+    "worst_grad", "lm_head_grad_err", "param_err", "grad_norm_err", "units",
+    "skyrl", "activation", "dummy_forwards", "init_s", "step_s"}``.
     """
     import torch
     import torch.distributed as dist
 
     from fsdp2_compat.core import guards
+    from fsdp2_compat.fixes import mixed_media
     from fsdp2_compat.tooling.scenarios import first_line
 
     from . import common, cpu
@@ -173,11 +186,14 @@ def train_skyrl_strategy(rank, world, family, model_dir, patches, steps=2):
         model.train()
         result["units"] = common.units(model.model)
         result["init_s"] = round(time.perf_counter() - start, 2)
+        dummies_before = mixed_media.STATS["dummy_forwards"]
         ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, betas=optim_config.adam_betas,
                                           weight_decay=0.0)
         t0 = time.perf_counter()
         for step in range(steps):
             batches = [make_batch(family, reference.model, seed=2000 + step * world + r) for r in range(world)]
+            if mixed:
+                batches[(step + 1) % world] = _text_only(batches[(step + 1) % world], seed=3000 + step)
             mine = batches[rank]
             try:
                 total = 0.0
@@ -207,6 +223,7 @@ def train_skyrl_strategy(rank, world, family, model_dir, patches, steps=2):
             ref_optimizer.step()
             ref_optimizer.zero_grad()
         result["param_err"] = common.param_err(model.model, reference.model)
+        result["dummy_forwards"] = mixed_media.STATS["dummy_forwards"] - dummies_before
         result["step_s"] = round(time.perf_counter() - t0, 2)
         dist.barrier()
         return result
