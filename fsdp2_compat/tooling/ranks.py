@@ -10,6 +10,9 @@ Each call gets fresh processes: no patch, process group or model state leaks
 between scenarios.  ``fn`` must be importable by module and name.  A rank
 that dies without reporting is named with its exit code, and such a
 transport failure (not an assertion or exception of ``fn``) is retried once.
+Once a rank has died that way, the others get ``DEAD_RANK_GRACE`` seconds to
+report and are then killed: they would only wait in a collective the dead rank
+never joins until the process group's timeout.
 """
 
 import multiprocessing
@@ -71,6 +74,8 @@ def _rank_main(fn, rank, world, init_file, args, kwargs, results, pg_timeout=120
 
 # Failures of the transport rather than of the code under test: a rank that
 # died without a word takes its peers' sockets with it.
+# Seconds the other ranks get to report after one died without reporting (see ``_run_once``).
+DEAD_RANK_GRACE = 5
 _TRANSPORT = ("Connection reset by peer", "Connection closed by peer", "no report; process exit code")
 
 
@@ -103,20 +108,27 @@ def _run_once(fn, world, args, kwargs, timeout, pg_timeout=120):
         procs = [ctx.Process(target=_rank_main, args=(fn, r, world, init_file, args, kwargs or {}, results, pg_timeout)) for r in range(world)]
         for p in procs:
             p.start()
-        got, errors = {}, {}
+        got, errors, dead_since = {}, {}, None
         deadline = time.monotonic() + timeout
         try:
             while len(got) + len(errors) < world:
                 if time.monotonic() > deadline:
-                    if not errors:
+                    if not errors and dead_since is None:
                         errors[-1] = ("timeout after %ss" % timeout, "")
                     break
                 try:
                     rank, ok, value = results.get(timeout=1)
                 except queue_mod.Empty:
+                    pending = [p for r, p in enumerate(procs) if r not in got and r not in errors]
                     # Ranks that died without reporting (a crash, a signal) never will.
-                    if not any(p.is_alive() for r, p in enumerate(procs) if r not in got and r not in errors):
+                    if not any(p.is_alive() for p in pending):
                         break
+                    if dead_since is None and any(not p.is_alive() for p in pending):
+                        # gloo aborts the rank that sees a collective mismatch: the others then wait in a
+                        # collective it never joins, until the process group's timeout.  Give them a moment
+                        # to report what they saw, then stop waiting (they are killed below).
+                        dead_since = time.monotonic()
+                        deadline = min(deadline, dead_since + DEAD_RANK_GRACE)
                     continue
                 (got if ok else errors)[rank] = value
                 if errors:
@@ -125,7 +137,7 @@ def _run_once(fn, world, args, kwargs, timeout, pg_timeout=120):
                     deadline = min(deadline, time.monotonic() + 10)
         finally:
             for p in procs:
-                p.join(timeout=5 if errors else 60)
+                p.join(timeout=5 if errors or dead_since is not None else 60)
                 if p.is_alive():
                     p.kill()
                     p.join()

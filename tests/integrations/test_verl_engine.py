@@ -8,6 +8,10 @@ with ``use_fused_kernels=True`` (torch backend).  Patched, every loss, gradient
 and parameter matches an unsharded reference trained on the data-parallel
 average (fp32, 1e-5; verl's default bf16 policy within bf16 noise); unpatched,
 each bug shows its exact error, and the controls train correctly as released.
+Mixed text/image ranks (issue #20): verl's own model forwards run a dummy
+vision forward on text-only samples, so one rank's text-only batch beside
+another's images trains to the DP average without fsdp2-compat's mixed-ranks
+fix, and with it nothing runs twice (verl's forward replaced ours).
 verl 0.7.0's engine autocasts its forward to bf16 whatever the policy: there the
 reference shares that autocast and every comparison is held to the bf16 bound
 (``common.tolerance``); 0.7.0 also keeps ``lm_head`` in the root unit.
@@ -30,7 +34,7 @@ from fsdp2_compat.fixes import glm4v_forward  # noqa: E402
 from fsdp2_compat.integrations import verl as verl_targets  # noqa: E402
 from fsdp2_compat.tooling import tiny as tiny_models  # noqa: E402
 from fsdp2_compat.tooling.engines import FAMILIES, common, verl_engine  # noqa: E402
-from fsdp2_compat.tooling.ranks import run_ranks  # noqa: E402
+from fsdp2_compat.tooling.ranks import RankError, run_ranks  # noqa: E402
 
 # The releases this module's outcome depends on: .ci/test runs it once per distinct set of them (.ci/matrix.py).
 DEPENDS_ON = ("torch", "transformers", "verl")
@@ -196,3 +200,40 @@ def test_bf16_policy_trains_close_to_the_fp32_reference(model_dirs, family, mode
     results = _run(model_dirs, family, mode, registry.for_model_type(family).name, bf16=True)
     assert results[0]["bf16"] and common.tolerance(results[0]) == common.BF16_TOL
     _assert_matches(results)
+
+
+MIXED_PG_TIMEOUT = 60  # a mismatch (a verl forward that skipped the tower) fails in a minute, never hangs
+QWEN2_VL_DUMMY = verl_targets.QWEN2_VL_FORWARD[0].key  # verl's own text-only dummy, fixed for transformers >= 5
+DUMMY_FAILURE = "step 0: AttributeError: 'BaseModelOutputWithPooling' object has no attribute 'mean'"
+
+
+def _run_mixed(model_dirs, family, patches):
+    try:
+        return run_ranks(verl_engine.train_verl_engine, 2, family, model_dirs(family), patches,
+                         kwargs={"mixed": True}, timeout=MIXED_PG_TIMEOUT + 240, retries=0,
+                         pg_timeout=MIXED_PG_TIMEOUT)
+    except RankError as exc:
+        pytest.fail("a text-only rank beside an image rank broke verl's engine: %s" % str(exc).splitlines()[0])
+
+
+@pytest.mark.skipif(tiny_models.wrappable("qwen2_5_vl") is not True, reason=str(tiny_models.wrappable("qwen2_5_vl")))
+def test_mixed_text_and_image_ranks_on_verls_own_forward_need_only_its_dummy_fixed(model_dirs):
+    """verl's Qwen2-VL / Qwen2.5-VL forward runs its own dummy vision forward on text-only samples.
+
+    Step 0: rank 1 text-only, step 1: rank 0.  Patched, both steps match the DP reference and
+    fsdp2-compat's own dummy never runs (verl's forward replaced the wrapped one).  Unpatched, the same
+    run is exact where verl's dummy works as released (transformers 4.x, 5.0.0rc: status "not needed"),
+    and where it calls ``.mean()`` on transformers 5's vision output the text-only rank raises that
+    (status "applied": the qwen2vl patch's verl target fixes it).  No release hangs.
+    """
+    patched = _run_mixed(model_dirs, "qwen2_5_vl", "qwen2vl")
+    _assert_matches(patched)
+    assert [r["dummy_forwards"] for r in patched] == [0, 0]  # verl's forward replaced ours: no second dummy
+    outcome = patched[0]["activation"]["outcomes"][QWEN2_VL_DUMMY]
+    unpatched = _run_mixed(model_dirs, "qwen2_5_vl", None)
+    if outcome == "applied":
+        assert unpatched[1]["error"] == DUMMY_FAILURE, unpatched[1]["error"]  # the text-only rank of step 0
+        assert unpatched[0]["error"] is not None  # its peer: the collective it was in broke
+    else:
+        assert outcome == "not needed", outcome
+        _assert_matches(unpatched)

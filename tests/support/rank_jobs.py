@@ -3,7 +3,8 @@
 - ``wrap_plans``: the FSDP2 units a framework creates, unpatched and patched;
 - ``glm4v_forward_errors``: verl's GLM4V forward, stock and with the glm4v patch's forward targets;
 - ``lm_head_traffic``: the bytes ``lm_head`` moves in one bf16 fused step
-  (``benchmarks/lm_head_gather.py``; tests assert the counts).
+  (``benchmarks/lm_head_gather.py``; tests assert the counts);
+- ``one_rank_dies``: the last rank exits without reporting, the others keep waiting.
 
 Importable by module name in the rank processes: ``tests/`` is on ``sys.path``
 (pytest's rootdir conftest, or the benchmark's own path line).
@@ -247,3 +248,14 @@ def lm_head_traffic(rank, world, patches):
         torch_functional.FusedLinearForPPO.forward = original_kernel
     counts["lm_head_numel"] = lm_numel
     return counts
+
+
+def one_rank_dies(rank, world, seconds):
+    """The last rank leaves at once without reporting (as gloo's abort does); the others wait ``seconds``."""
+    import os
+    import time
+
+    if rank == world - 1:
+        os._exit(3)
+    time.sleep(seconds)
+    return rank

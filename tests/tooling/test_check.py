@@ -26,10 +26,10 @@ needs_framework = pytest.mark.skipif(not FRAMEWORKS, reason="no verl / SkyRL ins
 
 
 @pytest.fixture(scope="module")
-def report(python):
+def report(warm_python):
     """The parsed ``fsdp2-compat check --json`` of this set (only the JSON reaches stdout, or this fails)."""
     pytest.importorskip("torch", reason="check needs torch")
-    proc = python("import sys; from fsdp2_compat.cli import main; sys.exit(main(['check', '--json']))",
+    proc = warm_python("import sys; from fsdp2_compat.cli import main; sys.exit(main(['check', '--json']))",
                   check=False, timeout=900)
     try:
         parsed = json.loads(proc.stdout)
@@ -99,10 +99,10 @@ def test_check_trains_glm4v_through_each_training_engine_installed(report):
 # GLM-4.1V's selection case being installed: once per verl release (sets tf4, tf5, tf5rc) is enough.
 @pytest.mark.depends_on("torch", "verl")
 @needs_framework
-def test_check_fails_when_a_patch_does_not_fix_its_case(python):
+def test_check_fails_when_a_patch_does_not_fix_its_case(warm_python):
     # Pair GLM4V with a patch that does not touch the wrap selection: the
     # patched run still crashes, and check must say so with exit status 1.
-    proc = python(
+    proc = warm_python(
         """
         import sys
         from fsdp2_compat.tooling import check

@@ -84,21 +84,29 @@ def _position_ids(model, batch):
 
     text = (batch["attention_mask"].long().cumsum(-1) - 1).clamp_min(0)
     get_rope_index = getattr(getattr(model, "model", model), "get_rope_index", None)
-    if get_rope_index is None or "pixel_values" not in batch:
+    if get_rope_index is None:  # a text model; a VLM's text-only samples get their M-RoPE rows too
         return text
     accepted = inspect.signature(get_rope_index).parameters
     rope, _ = get_rope_index(**{k: v for k, v in batch.items() if k in accepted})
     return torch.cat([text.unsqueeze(0), rope], 0)
 
 
-def make_samples(family, model, seed):
-    """Per-sample dicts for verl's ``SFTTensorCollator``; odd samples are two tokens shorter."""
+def make_samples(family, model, seed, text=False):
+    """Per-sample dicts for verl's ``SFTTensorCollator``; odd samples are two tokens shorter.
+
+    ``text``: without their images (``tiny.text.text_only``: the text-only samples of a mixed dataset,
+    same lengths and loss masks).
+    """
     import torch
 
     from fsdp2_compat.tooling import tiny
+    from fsdp2_compat.tooling.tiny.text import text_only
 
     batch = tiny.make_batch(family, model, seed=seed, batch_size=SAMPLES_PER_RANK)
     labels = batch.pop("labels", None)
+    if text:
+        batch = text_only(batch, seed=seed)
+        batch.pop("labels")
     n = batch["input_ids"].shape[1]
     lengths = [n - 2 * (i % 2) for i in range(SAMPLES_PER_RANK)]
     for i, length in enumerate(lengths):
@@ -151,8 +159,22 @@ def to_tensordict(samples, fused, pad_token_id):
 def reference_loss(model, samples, fused, autocast=None):
     """verl's DP-average SFT loss of ``samples`` on the unsharded ``model``: (total, per-sample terms).
 
-    ``autocast``: the dtype the forward runs under (what verl 0.7.0's engine does), or None.
+    ``autocast``: the dtype the forward runs under (what verl 0.7.0's engine does), or None.  Samples
+    with and without images (a mixed dataset) go through separate forwards, the loss normalised by
+    every sample's tokens.
     """
+    tokens = sum(int(s["loss_mask"].sum()) for s in samples)
+    terms, start = [], 0
+    while start < len(samples):
+        end = start + 1
+        while end < len(samples) and ("multi_modal_inputs" in samples[end]) == ("multi_modal_inputs" in samples[start]):
+            end += 1
+        terms += _reference_terms(model, samples[start:end], fused, autocast, tokens)
+        start = end
+    return sum(terms), terms
+
+
+def _reference_terms(model, samples, fused, autocast, tokens):
     import contextlib
 
     import torch
@@ -178,7 +200,6 @@ def reference_loss(model, samples, fused, autocast=None):
         kwargs.update(temperature=1.0, return_dict=True)
     with torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext():
         out = model(**kwargs)
-    tokens = sum(int(s["loss_mask"].sum()) for s in samples)
     terms = []
     for i, s in enumerate(samples):
         length = lengths[i]
@@ -190,7 +211,7 @@ def reference_loss(model, samples, fused, autocast=None):
         mask = torch.roll(s["loss_mask"], -1).to(lp.dtype)
         mask[-1] = 0  # verl rolls the packed batch: a sample's last position meets the next one's prompt
         terms.append(-(lp * mask).sum() / tokens)
-    return sum(terms), terms
+    return terms
 
 
 def _engine(model_dir, fused, bf16):
@@ -223,22 +244,24 @@ def _engine(model_dir, fused, bf16):
     return engine, model_config
 
 
-def train_verl_engine(rank, world, family, model_dir, patches, fused=False, bf16=False, steps=2):
+def train_verl_engine(rank, world, family, model_dir, patches, fused=False, bf16=False, steps=2, mixed=False):
     """Train ``family`` from ``model_dir`` through verl's FSDP engine on this rank; see the module docstring.
 
-    ``patches``: how fsdp2-compat is turned on (``common.activate``).  Returns
+    ``patches``: how fsdp2-compat is turned on (``common.activate``).  ``mixed``: on step ``s`` rank
+    ``(s + 1) % world`` gets text-only samples, the others images (a mixed dataset).  Returns
     ``{"error": "<where>: <type>: <message>" or None, "losses" (verl's, per step: in bf16 where it
     autocasts, so two ranks' may coincide), "reference_losses" (the reference's for this rank's samples),
     "loss_err",
     "step<k>_grad_err" / "_worst_grad" / "_lm_head_grad_err" / "_grads_checked",
     "param_err_after_step<k>", "grad_norm_err", "units", "forward",
-    "engine_class", "device", "activation", "autocast", "init_s", "step_s"}``;
+    "engine_class", "device", "activation", "autocast", "dummy_forwards" (fsdp2-compat's), "init_s", "step_s"}``;
     ``common.tolerance(result)`` is the bound its errors are held to.
     """
     import copy
     from functools import partial
 
     from . import common, cpu
+    from fsdp2_compat.fixes import mixed_media
     from fsdp2_compat.tooling.scenarios import first_line
 
     start = time.perf_counter()
@@ -272,9 +295,11 @@ def train_verl_engine(rank, world, family, model_dir, patches, fused=False, bf16
     reference.train()
     ref_optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
     loss_fn = partial(sft_loss, config=None)
+    dummies_before = mixed_media.STATS["dummy_forwards"]
     t0 = time.perf_counter()
     for step in range(steps):
-        per_rank = [make_samples(family, reference, seed=1000 + step * world + r) for r in range(world)]
+        per_rank = [make_samples(family, reference, seed=1000 + step * world + r,
+                                 text=mixed and r == (step + 1) % world) for r in range(world)]
         data = to_tensordict(per_rank[rank], fused, model_config.tokenizer.pad_token_id)
         # Everything inside train_mode: verl 0.7 and 0.8 zero the gradients when it exits.
         with engine.train_mode(disable_auto_offload=True, zero_grad_on_exit=False):
@@ -305,6 +330,7 @@ def train_verl_engine(rank, world, family, model_dir, patches, fused=False, bf16
         ref_optimizer.step()
         result["param_err_after_step%d" % step] = common.param_err(module, reference)
     result["step_s"] = round(time.perf_counter() - t0, 2)
+    result["dummy_forwards"] = mixed_media.STATS["dummy_forwards"] - dummies_before
     return result
 
 
