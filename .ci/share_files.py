@@ -48,7 +48,7 @@ def site_dirs(venv):
 
 
 def recorded(site):
-    """(absolute path, hex sha256, size) of every hashed file a RECORD lists under ``site``."""
+    """(absolute path, hex sha256, size, when its RECORD was written) of every hashed file a RECORD lists."""
     for entry in sorted(os.listdir(site)):
         if not entry.endswith(".dist-info") or entry.split("-")[0].lower() in OWN:
             continue

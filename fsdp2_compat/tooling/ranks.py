@@ -72,10 +72,10 @@ def _rank_main(fn, rank, world, init_file, args, kwargs, results, pg_timeout=120
         results.put((rank, False, ("%s: %s" % (type(exc).__name__, exc), traceback.format_exc())))
 
 
-# Failures of the transport rather than of the code under test: a rank that
-# died without a word takes its peers' sockets with it.
 # Seconds the other ranks get to report after one died without reporting (see ``_run_once``).
 DEAD_RANK_GRACE = 5
+# Failures of the transport rather than of the code under test: a rank that
+# died without a word takes its peers' sockets with it.
 _TRANSPORT = ("Connection reset by peer", "Connection closed by peer", "no report; process exit code")
 
 

@@ -232,8 +232,9 @@ def test_mixed_text_and_image_ranks_on_verls_own_forward_need_only_its_dummy_fix
     outcome = patched[0]["activation"]["outcomes"][QWEN2_VL_DUMMY]
     unpatched = _run_mixed(model_dirs, "qwen2_5_vl", None)
     if outcome == "applied":
-        assert unpatched[1]["error"] == DUMMY_FAILURE, unpatched[1]["error"]  # the text-only rank of step 0
-        assert unpatched[0]["error"] is not None  # its peer: the collective it was in broke
+        text = common.text_only_rank(0, 2)  # the text-only rank of step 0
+        assert unpatched[text]["error"] == DUMMY_FAILURE, unpatched[text]["error"]
+        assert unpatched[1 - text]["error"] is not None  # its peer: the collective it was in broke
     else:
         assert outcome == "not needed", outcome
         _assert_matches(unpatched)

@@ -15,6 +15,11 @@ TOL = 1e-5  # fp32 throughout: the sharded run and the reference differ by summa
 BF16_TOL = 1e-2  # a bf16 computation (a bf16 policy, or an engine that autocasts to bf16 regardless) vs the reference
 
 
+def text_only_rank(step, world):
+    """The rank whose batch is text-only on ``step`` of a mixed run (the others have images): 1, then 0."""
+    return (step + 1) % world
+
+
 def tolerance(result):
     """The bound a rank result's loss / gradient / parameter errors are held to.
 

@@ -145,8 +145,8 @@ def _configs(model_dir):
 def train_skyrl_strategy(rank, world, family, model_dir, patches, steps=2, mixed=False):
     """Train ``family`` from ``model_dir`` through SkyRL's FSDPStrategy on this rank; see the module docstring.
 
-    ``patches``: as ``common.activate``.  ``mixed``: on step ``s`` rank
-    ``(s + 1) % world`` gets a text-only batch (``tiny.text.text_only``), the
+    ``patches``: as ``common.activate``.  ``mixed``: on each step one rank
+    (``common.text_only_rank``) gets a text-only batch (``tiny.text.text_only``), the
     others images: a mixed dataset's micro-batches (the reference trains on the
     same batches).  Returns ``{"error", "losses", "loss_err", "grad_err",
     "worst_grad", "lm_head_grad_err", "param_err", "grad_norm_err", "units",
@@ -193,7 +193,8 @@ def train_skyrl_strategy(rank, world, family, model_dir, patches, steps=2, mixed
         for step in range(steps):
             batches = [make_batch(family, reference.model, seed=2000 + step * world + r) for r in range(world)]
             if mixed:
-                batches[(step + 1) % world] = _text_only(batches[(step + 1) % world], seed=3000 + step)
+                text = common.text_only_rank(step, world)
+                batches[text] = _text_only(batches[text], seed=3000 + step)
             mine = batches[rank]
             try:
                 total = 0.0

@@ -163,14 +163,12 @@ def reference_loss(model, samples, fused, autocast=None):
     with and without images (a mixed dataset) go through separate forwards, the loss normalised by
     every sample's tokens.
     """
+    import itertools
+
     tokens = sum(int(s["loss_mask"].sum()) for s in samples)
-    terms, start = [], 0
-    while start < len(samples):
-        end = start + 1
-        while end < len(samples) and ("multi_modal_inputs" in samples[end]) == ("multi_modal_inputs" in samples[start]):
-            end += 1
-        terms += _reference_terms(model, samples[start:end], fused, autocast, tokens)
-        start = end
+    terms = []
+    for _, run in itertools.groupby(samples, key=lambda s: "multi_modal_inputs" in s):
+        terms += _reference_terms(model, list(run), fused, autocast, tokens)
     return sum(terms), terms
 
 
@@ -247,8 +245,8 @@ def _engine(model_dir, fused, bf16):
 def train_verl_engine(rank, world, family, model_dir, patches, fused=False, bf16=False, steps=2, mixed=False):
     """Train ``family`` from ``model_dir`` through verl's FSDP engine on this rank; see the module docstring.
 
-    ``patches``: how fsdp2-compat is turned on (``common.activate``).  ``mixed``: on step ``s`` rank
-    ``(s + 1) % world`` gets text-only samples, the others images (a mixed dataset).  Returns
+    ``patches``: how fsdp2-compat is turned on (``common.activate``).  ``mixed``: on each step one rank
+    (``common.text_only_rank``) gets text-only samples, the others images (a mixed dataset).  Returns
     ``{"error": "<where>: <type>: <message>" or None, "losses" (verl's, per step: in bf16 where it
     autocasts, so two ranks' may coincide), "reference_losses" (the reference's for this rank's samples),
     "loss_err",
@@ -299,7 +297,7 @@ def train_verl_engine(rank, world, family, model_dir, patches, fused=False, bf16
     t0 = time.perf_counter()
     for step in range(steps):
         per_rank = [make_samples(family, reference, seed=1000 + step * world + r,
-                                 text=mixed and r == (step + 1) % world) for r in range(world)]
+                                 text=mixed and r == common.text_only_rank(step, world)) for r in range(world)]
         data = to_tensordict(per_rank[rank], fused, model_config.tokenizer.pad_token_id)
         # Everything inside train_mode: verl 0.7 and 0.8 zero the gradients when it exits.
         with engine.train_mode(disable_auto_offload=True, zero_grad_on_exit=False):
