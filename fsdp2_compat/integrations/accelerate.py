@@ -19,7 +19,8 @@ target here (mechanisms in ``fsdp2_compat.fixes.tail_unit``):
   Fixed in 1.15.0 (PR #4171), whose unit ``[norm, embed, head]`` the seam
   builds.  accelerate 1.6.0-1.13.0 have no tail unit (everything but the
   layers is in the root unit): nothing to fix.
-- ``VLM_FINAL_NORM`` (1.14.0-1.15.0): ``_find_final_norm`` looks only at the
+- ``VLM_FINAL_NORM`` (1.14.0-1.15.0 proven; 1.16.0 has the same ``_find_final_norm``
+  and tail unit, so the seam applies there as unproven): ``_find_final_norm`` looks only at the
   base model's direct children; a VLM's base has none, so the head is alone
   in its unit and a direct reader (Liger-Kernel's fused linear
   cross-entropy with ``use_liger_kernel=True``, TRL's fused LM head, a custom
@@ -58,7 +59,7 @@ _NO_TAIL = ("no tail unit: fsdp2_prepare_model shards the auto-wrap policy's mod
 TIED_SYMPTOM = ("accelerate 1.14.0 FSDP2 (HF Trainer, TRL, axolotl), tied embeddings: `ValueError: Parameter "
                 "'model.embed_tokens.weight' is shared with a parameter already managed by another FSDP group` at "
                 "the first forward")
-VLM_SYMPTOM = ("accelerate 1.14.0-1.15.0 FSDP2, untied VLM: `lm_head` alone in its unit, so a reader of "
+VLM_SYMPTOM = ("accelerate 1.14.0-1.16.0 FSDP2, untied VLM: `lm_head` alone in its unit, so a reader of "
                "`lm_head.weight` inside the forward (Liger-Kernel `use_liger_kernel=True`, custom losses) crashes "
                "with `aten.mm.default got mixed torch.Tensor and DTensor` or, with `full_tensor()`, trains `lm_head` "
                "on one rank's gradient")
@@ -81,7 +82,7 @@ VLM_FINAL_NORM = Target(
     module=FSDP_UTILS,
     attr="_find_final_norm",
     versions=">=1.14.0,<=1.15.0",
-    fingerprints={"1.14.0-1.15.0": "0428d06c1e0fac6e"},
+    fingerprints={"1.14.0-1.16.0": "0428d06c1e0fac6e"},  # proven to 1.15.0 (versions); 1.16.0: same code
     seam="fsdp2_compat.fixes.tail_unit:final_norm_seam",
     what="accelerate FSDP2 tail unit (a VLM's lm_head alone, without its decoder's norm)",
     declared={"<1.6.0": _NO_FSDP2, ">=1.6.0,<1.14.0": "no _find_final_norm; " + _NO_TAIL},

@@ -19,7 +19,7 @@ does not claim it): HunYuan-VL, Step-3.7, GLM-Image, Cosmos-3, DeepSeek-OCR-2
 and Chameleon: not read for this fix yet.
 
 Releases (every published transformers release was read, see ``FORWARD_FINGERPRINTS``):
-- fingerprinted: 4.57.0-5.24.0 (the newest), each release's code of the
+- fingerprinted: 4.57.0-5.25.0 (the newest), each release's code of the
   forward, where it was checked to call the token embedding before the tower,
   to take the media under the argument names ``media_towers`` lists and to
   call the feature function ``media_towers`` runs on the dummy
@@ -74,7 +74,7 @@ FAMILIES = {
     "audioflamingo3": ("AudioFlamingo3Model", "5.0.0rc0"),
 }
 
-# family -> {release label: fingerprint of <Family>Model.forward}, read from every wheel 4.57.0-5.24.0
+# family -> {release label: fingerprint of <Family>Model.forward}, read from every wheel 4.57.0-5.25.0
 FORWARD_FINGERPRINTS = {
     "qwen2_vl": {
         "4.57.0-5.0.0rc0": "6ff9c468bc6f2503",
@@ -89,7 +89,7 @@ FORWARD_FINGERPRINTS = {
         "5.15.0-5.17.0": "a8da1c1ae13f33ab",
         "5.18.0-5.22.2": "44255a1e6513e4ac",
         "5.23.0": "2ef1a7a1dbb97733",
-        "5.24.0": "f85545d9fc31e17c",
+        "5.24.0-5.25.0": "f85545d9fc31e17c",
     },
     "qwen2_5_vl": {
         "4.57.0-4.57.6": "bd96bbc289d3e759",
@@ -105,7 +105,7 @@ FORWARD_FINGERPRINTS = {
         "5.15.0-5.17.0": "adb6fdf588c567c6",
         "5.18.0-5.22.2": "1aff4141ece9358e",
         "5.23.0": "a5c0acca6d58e97d",
-        "5.24.0": "c1e21caf227dab30",
+        "5.24.0-5.25.0": "c1e21caf227dab30",
     },
     "qwen3_vl": {
         "4.57.0-4.57.1": "2982eaec381205f0",
@@ -120,7 +120,7 @@ FORWARD_FINGERPRINTS = {
         "5.9.0-5.17.0": "62f609444d38a3ab",
         "5.18.0-5.22.2": "cffa65c2a3c6d183",
         "5.23.0": "ddda523e573acc2f",
-        "5.24.0": "cee337fc955dcbc5",
+        "5.24.0-5.25.0": "cee337fc955dcbc5",
     },
     "qwen3_vl_moe": {
         "4.57.0-4.57.1": "de0ce736d4cb4694",
@@ -135,7 +135,7 @@ FORWARD_FINGERPRINTS = {
         "5.9.0-5.17.0": "7da6363acb44363b",
         "5.18.0-5.22.2": "d745a3110878b988",
         "5.23.0": "ddda523e573acc2f",
-        "5.24.0": "5004083bdf75d4f1",
+        "5.24.0-5.25.0": "5004083bdf75d4f1",
     },
     "glm4v": {
         "4.57.0-5.0.0rc2": "c85657bde2e427cf",
@@ -149,7 +149,7 @@ FORWARD_FINGERPRINTS = {
         "5.15.0-5.17.0": "ba0cf2419f18d381",
         "5.18.0-5.22.2": "aefe475de31eebc3",
         "5.23.0": "8028a9e88e78dc3b",
-        "5.24.0": "3834d169d48a3463",
+        "5.24.0-5.25.0": "3834d169d48a3463",
     },
     "glm4v_moe": {
         "4.57.0-5.0.0rc2": "79ecd10c01a5899f",
@@ -163,7 +163,7 @@ FORWARD_FINGERPRINTS = {
         "5.15.0-5.17.0": "8ec62b6612b58366",
         "5.18.0-5.22.2": "dc6bd85cd9ecbb76",
         "5.23.0": "8028a9e88e78dc3b",
-        "5.24.0": "6bad4e2a34186760",
+        "5.24.0-5.25.0": "6bad4e2a34186760",
     },
     "glm46v": {
         "5.0.0rc0-5.0.0rc2": "754bc91b5068a622",
@@ -177,7 +177,7 @@ FORWARD_FINGERPRINTS = {
         "5.15.0-5.17.0": "33e101b4b8f38006",
         "5.18.0-5.22.2": "9aa4b22442ae7bd2",
         "5.23.0": "8028a9e88e78dc3b",
-        "5.24.0": "3834d169d48a3463",
+        "5.24.0-5.25.0": "3834d169d48a3463",
     },
     "qwen3_5": {
         "5.2.0": "19631d870e03bd2e",
@@ -186,7 +186,7 @@ FORWARD_FINGERPRINTS = {
         "5.9.0-5.17.0": "13795bc509baed50",
         "5.18.0-5.22.2": "54e9b9a8b377e8be",
         "5.23.0": "2ef1a7a1dbb97733",
-        "5.24.0": "f85545d9fc31e17c",
+        "5.24.0-5.25.0": "f85545d9fc31e17c",
     },
     "qwen3_5_moe": {
         "5.2.0": "9d792af60e021e8e",
@@ -195,7 +195,7 @@ FORWARD_FINGERPRINTS = {
         "5.9.0-5.17.0": "210bca842d54e920",
         "5.18.0-5.22.2": "0ec5e24bf6392db4",
         "5.23.0": "acc02c61eba214c6",
-        "5.24.0": "08be9257c0efd620",
+        "5.24.0-5.25.0": "08be9257c0efd620",
     },
     # Lfm2VlModel.forward: embedding (get_input_embeddings()) first, then vision_tower through
     # get_image_features(pixel_values=, spatial_shapes=, pixel_attention_mask=) when pixel_values is given
@@ -207,7 +207,7 @@ FORWARD_FINGERPRINTS = {
         "5.4.0-5.17.0": "3c61525cc6d0810b",
         "5.18.0-5.22.2": "e378f714d097f15e",
         "5.23.0": "1d330bd7072495fa",
-        "5.24.0": "9779f48adb6c15fd",
+        "5.24.0-5.25.0": "9779f48adb6c15fd",
     },
     # PaddleOCRVLModel.forward: language_model.embed_tokens first, then get_image_features(pixel_values,
     # image_grid_thw) when pixel_values is given (5.18.0+: or mm_encoder_outputs["image"]).
@@ -216,19 +216,19 @@ FORWARD_FINGERPRINTS = {
         "5.10.0-5.14.1": "634f6f2f6680c01f",
         "5.15.0-5.22.2": "fd624ea1218afdc8",
         "5.23.0": "115de727509c9b6a",
-        "5.24.0": "a755fc782aeaa9b0",
+        "5.24.0-5.25.0": "a755fc782aeaa9b0",
     },
     "qwen2_audio": {
         "5.10.0-5.11.0": "e531c7dbb397e03c",
         "5.12.0-5.22.2": "125a290072bb2133",
         "5.23.0": "3893230ac7e04cea",
-        "5.24.0": "005935d5bf48d63e",
+        "5.24.0-5.25.0": "005935d5bf48d63e",
     },
     "audioflamingo3": {
         "5.10.0-5.14.1": "177a0f26f8fead14",
         "5.15.0-5.22.2": "c5efd55e84fd170c",
         "5.23.0": "2988e485f8420420",
-        "5.24.0": "5b19e6ca3e69324d",
+        "5.24.0-5.25.0": "5b19e6ca3e69324d",
     },
     "paddleocr_vl": {
         "5.0.0rc1-5.0.0rc2": "bc6a3b5e5793ef01",
@@ -242,7 +242,7 @@ FORWARD_FINGERPRINTS = {
         "5.15.0-5.17.0": "96f5f6bffd39b970",
         "5.18.0-5.22.2": "2c71acd6568d4da9",
         "5.23.0": "5f9d456062a55a2f",
-        "5.24.0": "e8958dcd4dd7f4eb",
+        "5.24.0-5.25.0": "e8958dcd4dd7f4eb",
     },
 }
 

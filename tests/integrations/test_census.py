@@ -20,6 +20,7 @@ that variable to run it.
 
 import concurrent.futures
 import os
+import warnings
 
 import pytest
 
@@ -36,6 +37,11 @@ pytestmark = pytest.mark.skipif(
 )
 
 PROBLEMS = ("unclassified", "mislabelled")
+# A release first uploaded less than this long before the run is reported as a warning, not a failure: the
+# registry changes under a submitted commit (transformers 5.25.0 and accelerate 1.16.0 appeared between two
+# runs of the same commit), and a CI run must not fail on the day an upstream release appears.  After the grace
+# period it fails, so the catalogue still cannot fall behind for long.
+GRACE_DAYS = 14
 
 
 def _census():
@@ -78,7 +84,15 @@ def test_every_published_release_of_every_target_is_classified():
     with open(os.path.join(census.CACHE, "census.md"), "w", encoding="utf-8") as f:
         f.write(table + "\n")
     assert all(listed.values()), "a distribution with no releases: %s" % listed
-    problems = ["- " + census.what_to_do(t, v, verdict, detail) for t, v, verdict, detail in rows if verdict in PROBLEMS]
+    problems, fresh = [], []
+    for t, v, verdict, detail in rows:
+        if verdict in PROBLEMS:
+            age = census.age_days(listed[t.dist][v])
+            (fresh if age < GRACE_DAYS else problems).append(
+                "- " + census.what_to_do(t, v, verdict, detail) + " (published %.1f days ago)" % age)
+    if fresh:
+        warnings.warn("%d release(s) published in the last %d days are not classified yet (a failure once they are "
+                      "older):\n%s" % (len(fresh), GRACE_DAYS, "\n".join(fresh)), UserWarning)
     assert not problems, "%d published release(s) the catalogue does not classify (new on the registry?):\n%s" % (
         len(problems), "\n".join(problems))
     # Every target fits the code of at least one published release.

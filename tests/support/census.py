@@ -60,6 +60,18 @@ def releases(dist):
     return out
 
 
+def age_days(files, now=None):
+    """Days since the first file of a release (``releases(dist)[version]``) was uploaded to the registry."""
+    import datetime
+
+    times = [datetime.datetime.fromisoformat(f["upload_time_iso_8601"].replace("Z", "+00:00"))
+             for f in files if f.get("upload_time_iso_8601")]
+    if not times:
+        return float("inf")  # no upload time recorded: treat as long published (the census then fails on it)
+    now = now or datetime.datetime.now(datetime.timezone.utc)
+    return (now - min(times)).total_seconds() / 86400.0
+
+
 def _pick(files):
     """The cheapest file to read a release's Python sources from: a pure wheel, any wheel, or the sdist."""
     wheels = [f for f in files if f["filename"].endswith(".whl")]
@@ -238,14 +250,14 @@ def classify(target, version, read):
 
 def defined_in(target):
     """The repository path of the integration module that defines ``target`` (where a contributor edits it)."""
-    import importlib
+    import sys
 
-    from fsdp2_compat import integrations
+    import fsdp2_compat.integrations  # noqa: F401  (imports every integration module)
 
-    for integration in integrations.INTEGRATIONS:
-        name = "fsdp2_compat.integrations." + {"torch": "torch_fsdp", "skyrl-train": "skyrl"}.get(
-            integration.dist, integration.dist)
-        module = importlib.import_module(name)
+    # Read which module holds the record (``transformers_media`` for transformers, ``skyrl`` for both SkyRL
+    # dists); a module name guessed from a dist name misses those.
+    for name in sorted(m for m in sys.modules if m.startswith("fsdp2_compat.integrations.")):
+        module = sys.modules[name]
         found = [v for value in vars(module).values() for v in (value if isinstance(value, tuple) else (value,))]
         if any(getattr(v, "key", None) == target.key for v in found if isinstance(v, type(target))):
             return name.replace(".", "/") + ".py"
