@@ -28,6 +28,9 @@ class Tower(NamedTuple):
     run: Callable  # (model, device) -> the model's own feature output on the smallest valid dummy
     # the token embedding the forward calls before it runs the tower (the fix hooks it): (model) -> module
     embed: Callable = lambda model: model.get_input_embeddings()
+    # arguments that, all given, make the forward run the tower once per media kind; ``fixes.media_merge`` then
+    # runs it once for all of them (empty: one kind per micro-batch, nothing to merge)
+    merge: Tuple[str, ...] = ()
 
 
 def _ints(obj, *names):
@@ -69,7 +72,12 @@ def _grid_check(model):
     return geometry if isinstance(geometry, str) else None
 
 
-PATCH_GRID = Tower("visual", ("pixel_values", "pixel_values_videos"), _grid_check, _grid_run)
+# Images and videos go through the same tower code (Qwen families): one merged call (``fixes.media_merge``).
+PATCH_GRID = Tower("visual", ("pixel_values", "pixel_values_videos"), _grid_check, _grid_run,
+                   merge=("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"))
+# GLM-4.1V/4.5V/4.6V: every release marks video tokens with the image token id (``get_placeholder_mask``), so
+# a micro-batch with an image and a video fails in transformers itself; one kind per micro-batch, no merge.
+GLM_GRID = PATCH_GRID._replace(merge=())
 
 
 # --- PaddleOCR-VL (``PaddleOCRVLModel``) --------------------------------------------------------------------
@@ -167,6 +175,9 @@ _VOXTRAL = Tower("audio_tower", ("input_features",), _whisper_check, _voxtral_ru
 _AUDIOFLAMINGO3 = Tower("audio_tower", ("input_features",), _whisper_check, _audioflamingo3_run)
 
 TOWERS = {
+    "Glm4vModel": GLM_GRID,
+    "Glm4vMoeModel": GLM_GRID,
+    "Glm46VModel": GLM_GRID,
     # every release's forward calls ``self.language_model.embed_tokens`` itself (from 5.9.0 the class has no
     # get_input_embeddings of its own)
     "PaddleOCRVLModel": Tower("visual", ("pixel_values",), _paddle_check, _paddle_run,

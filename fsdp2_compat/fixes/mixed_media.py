@@ -74,7 +74,7 @@ a unit that one rank skips.
 
 import weakref
 
-from . import media_towers
+from . import media_merge, media_towers
 
 # Inputs that carry media into a wrapped base model forward (every family; per family: media_towers).
 MEDIA_INPUTS = media_towers.media_inputs()
@@ -236,11 +236,18 @@ def _forward(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)  # let transformers report the bad call
     given = bound.arguments
     extra = given.get("kwargs") or {}
-    media = any(given.get(n, extra.get(n)) is not None for n in media_towers.for_model(model).media)
+
+    def arg(name):
+        return given.get(name, extra.get(name))
+
+    tower = media_towers.for_model(model)
+    media = any(arg(n) is not None for n in tower.media)
     # transformers 5.24+: features computed before the call (the tower ran elsewhere: nothing to align here)
-    media = media or bool(given.get("mm_encoder_outputs", extra.get("mm_encoder_outputs")))
-    cache = next((given.get(n, extra.get(n)) for n in ("past_key_values", "cache")
-                  if given.get(n, extra.get(n)) is not None), None)  # "cache" from transformers 5.24
+    media = media or bool(arg("mm_encoder_outputs"))
+    cache = next((arg(n) for n in ("past_key_values", "cache") if arg(n) is not None), None)  # "cache": 5.24+
+    if media and media_merge.carries_both(tower, arg) and not unknown_tower(model) and tower_is_sharded(_tower(model)):
+        with media_merge.one_tower_call(model, arg):  # images and videos: one tower call, as on every rank
+            return wrapped(*args, **kwargs)
     if media or _decoding(cache):
         return wrapped(*args, **kwargs)
     why = unknown_tower(model)
@@ -261,7 +268,7 @@ def _forward(wrapped, instance, args, kwargs):
         done.append(True)
         return _with_zero(output, zero_contribution(model, output.device))
 
-    handle = media_towers.for_model(model).embed(model).register_forward_hook(add_zero)
+    handle = tower.embed(model).register_forward_hook(add_zero)
     try:
         return wrapped(*args, **kwargs)
     finally:

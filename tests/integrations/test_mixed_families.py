@@ -10,7 +10,7 @@ separate targets with fingerprints of their own, and the last five towers have
 adapters of their own (``fixes.media_towers``).  Its outcome
 depends on torch and transformers only, so the sharding is one generic
 per-layer-class ``fully_shard`` (``FRAMEWORK``: the first installed framework
-of ``PREFERRED``, whose own ``apply_fsdp2`` / ``parallelize_model`` gives every
+of ``mixed_jobs.PREFERRED``, whose own ``apply_fsdp2`` / ``parallelize_model`` gives every
 ``_no_split_modules`` class a unit; accelerate's FSDP2 preparation where only
 TRL is installed).
 
@@ -39,7 +39,6 @@ pytest.importorskip("torch", reason="needs torch (real FSDP2 on CPU gloo)")
 pytest.importorskip("transformers", reason="needs transformers (tiny models)")
 
 from fsdp2_compat import registry  # noqa: E402
-from fsdp2_compat.core import guards  # noqa: E402
 from fsdp2_compat.tooling.ranks import RankError, run_ranks  # noqa: E402
 from support import accum_jobs, mixed_jobs  # noqa: E402
 
@@ -57,8 +56,6 @@ TOWER = {"lfm2_vl": "vision_tower", "qwen2_audio": "audio_tower", "voxtral": "au
 # on a text-only rank unpatched (its vision parameters have no gradient).
 ROOT_UNIT_TOWERS = ("paddleocr_vl",)
 UNPATCHED_FAMILY = "glm4v_moe"
-# Wrapping frameworks whose generic per-layer-class fully_shard this module uses, the first installed one.
-PREFERRED = ("verl", "skyrl", "skyrl-train", "llamafactory", "areal")  # (AReaL imports slowest)
 # Catalogued families with a media tower that the fix does not know (no `visual` with the Qwen/GLM patch grid).
 _GRID_LACKS = "its vision_config lacks in_channels / temporal_patch_size / patch_size / spatial_merge_size"
 UNKNOWN_TOWERS = {
@@ -80,17 +77,7 @@ ACCELERATE_CANNOT_WRAP = {
 }
 
 
-def _framework():
-    """``(framework, None)`` or ``(None, why not)``."""
-    for dist in PREFERRED:
-        if guards.installed_version(dist):
-            return dist, None
-    if guards.installed_version("trl"):
-        return "accelerate", None
-    return None, "no wrapping framework (%s) and no TRL in this pinned set" % ", ".join(PREFERRED)
-
-
-FRAMEWORK, NO_FRAMEWORK = _framework()
+FRAMEWORK, NO_FRAMEWORK = mixed_jobs.generic_framework()
 
 
 def _runnable():

@@ -262,6 +262,8 @@ def _micro_batch(family, reference, seed, kind, fused):
     if family in ("qwen3_5", "qwen3_5_moe"):  # text-only micro-batches, as in verl issue #7520; images as Qwen3-VL's
         batch = tiny.make_batch("qwen3_vl" if kind == "image" else "qwen2", reference, seed=seed)
         batch["use_cache"] = False
+    elif kind in ("video", "image+video"):  # tiny.VIDEO_FAMILIES: videos, or an image and a video per row
+        batch = tiny.make_batch(family, reference, seed=seed, media=tuple(kind.split("+")))
     else:
         batch = tiny.make_batch(family, reference, seed=seed)
         if kind == "text" and ("pixel_values" in batch or "input_features" in batch):
@@ -280,7 +282,7 @@ def _one_case(rank, world, framework, family, fused, patches, policy, sync, step
     import copy
 
     import fsdp2_compat
-    from fsdp2_compat.fixes import gather, mixed_media
+    from fsdp2_compat.fixes import gather, media_merge, mixed_media
     from fsdp2_compat.tooling import scenarios
 
     if patches:
@@ -299,6 +301,7 @@ def _one_case(rank, world, framework, family, fused, patches, policy, sync, step
               "never_gathered_after_first": None, "grads": [], "lm_head_sharded_after_backward": []}
     releases_before = gather.STATS["early_releases"]
     dummies_before = mixed_media.STATS["dummy_forwards"]
+    merged_before = media_merge.STATS["merged_forwards"]
     lm_head = getattr(model, "lm_head", None)
     lm_group = gather._owning(lm_head, lm_head.weight)[0] if lm_head is not None and hasattr(
         lm_head, "_get_fsdp_state") else None
@@ -350,6 +353,7 @@ def _one_case(rank, world, framework, family, fused, patches, policy, sync, step
             model_class.forward = saved_forward
     result["early_releases"] = gather.STATS["early_releases"] - releases_before
     result["dummy_forwards"] = mixed_media.STATS["dummy_forwards"] - dummies_before
+    result["merged_forwards"] = media_merge.STATS["merged_forwards"] - merged_before
     return result
 
 

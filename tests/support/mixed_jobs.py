@@ -7,6 +7,25 @@ collective mismatch makes gloo abort the rank process from a C++ thread
 ``with_stderr_file`` sends the rank's stderr to a file the test reads.
 """
 
+# Wrapping frameworks whose generic per-layer-class fully_shard the per-release proofs use, the first installed
+# one (their outcome depends on torch and transformers only).
+PREFERRED = ("verl", "skyrl", "skyrl-train", "llamafactory", "areal")  # (AReaL imports slowest)
+
+
+def generic_framework():
+    """``(framework, None)`` or ``(None, why not)``: the first installed of ``PREFERRED`` (its own
+    ``apply_fsdp2`` / ``parallelize_model`` gives every ``_no_split_modules`` class a unit), else accelerate's
+    FSDP2 preparation where only TRL is installed."""
+    from fsdp2_compat.core import guards
+
+    for dist in PREFERRED:
+        if guards.installed_version(dist):
+            return dist, None
+    if guards.installed_version("trl"):
+        return "accelerate", None
+    return None, "no wrapping framework (%s) and no TRL in this pinned set" % ", ".join(PREFERRED)
+
+
 def with_stderr_file(rank, world, directory, *args, **kwargs):
     """``per_family(rank, world, *args)`` with this rank's fd 2 in ``directory/rank<N>.err``."""
     from fsdp2_compat.tooling.mixed import stderr_to_file

@@ -17,7 +17,7 @@ API::
     tieable(family)                 # also: tie_word_embeddings=True really ties its embeddings
     raw_read_removed(family)        # None, or why this transformers no longer reads it raw
     build(family, tie=False, seed=0)  # fp32 CPU model in train mode
-    make_batch(family, model, seed=..., batch_size=2)  # kwargs for model(**batch)
+    make_batch(family, model, seed=..., batch_size=2, media=("image",))  # kwargs for model(**batch); videos: VIDEO_FAMILIES
 
 Families whose vision/audio tower reads an auxiliary embedding's ``.weight``
 directly in ``forward`` (the FSDP2 "mixed torch.Tensor and DTensor" class):
@@ -50,10 +50,10 @@ checkpoints of these classes cannot be tied either); ``tieable()`` says where.
 from __future__ import annotations
 
 from . import recent
-from .batches import make_batch
+from .batches import VIDEO_FAMILIES, make_batch
 from .configs import CLASSES, FAMILIES, tiny_config
 
-__all__ = ["FAMILIES", "CLASSES", "available", "wrappable", "tieable", "raw_read_removed", "build", "make_batch",
+__all__ = ["FAMILIES", "CLASSES", "VIDEO_FAMILIES", "available", "wrappable", "tieable", "raw_read_removed", "build", "make_batch",
            "tiny_config", "quiet"]
 
 

@@ -32,8 +32,19 @@ def _accepts(fn, name: str) -> bool:
         return False
 
 
-def make_batch(family: str, model, *, seed: int, batch_size: int = 2) -> dict:
-    """Deterministic kwargs for ``model(**batch)`` (with labels -> scalar loss)."""
+# Families whose forward takes an image and a video in one micro-batch (``make_batch(media=...)``); GLM-4.1V's
+# cannot (its placeholder mask gives video tokens the image token id).
+VIDEO_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+_VIDEO_FRAMES = 2  # temporal grid of a tiny video: 2 x temporal_patch_size frames
+
+
+def make_batch(family: str, model, *, seed: int, batch_size: int = 2, media=("image",)) -> dict:
+    """Deterministic kwargs for ``model(**batch)`` (with labels -> scalar loss).
+
+    ``media``: the kinds each row carries, for ``VIDEO_FAMILIES``: ``("image",)`` (the default, every
+    family), ``("video",)`` or ``("image", "video")`` (one image then one video per row)."""
+    if tuple(media) != ("image",):
+        return _with_videos(family, model, seed, batch_size, tuple(media))
     if family in recent.CLASSES:
         return recent.make_batch(family, model, seed=seed, batch_size=batch_size)
     import torch
@@ -115,6 +126,35 @@ def make_batch(family: str, model, *, seed: int, batch_size: int = 2) -> dict:
         }
 
     raise ValueError(f"unknown family {family!r}")
+
+
+def _with_videos(family, model, seed, batch_size, media):
+    """Rows with an image and / or a video (``_VIDEO_FRAMES`` temporal patches of a ``_GRID`` square)."""
+    import torch
+
+    if family not in VIDEO_FAMILIES or not media or not set(media) <= {"image", "video"}:
+        raise ValueError("media=%r: %s takes ('image',) only (videos: %s)" % (media, family, VIDEO_FAMILIES))
+    gen = torch.Generator().manual_seed(int(seed))
+    vcfg = model.config.vision_config
+    width = vcfg.in_channels * vcfg.temporal_patch_size * vcfg.patch_size**2
+    frame = [_VSTART] + [_VID] * _IMAGE_TOKENS + [_VEND]
+    # Qwen3-VL's M-RoPE splits a video into one span per temporal patch (timestamps between them);
+    # Qwen2-VL's and Qwen2.5-VL's take one span for the whole video.
+    per_frame = family.startswith("qwen3")
+    spans = {"image": [_VSTART] + [_IMG] * _IMAGE_TOKENS + [_VEND],
+             "video": frame * _VIDEO_FRAMES if per_frame
+             else [_VSTART] + [_VID] * (_IMAGE_TOKENS * _VIDEO_FRAMES) + [_VEND]}
+    batch = {}
+    input_ids, attn, labels = with_placeholders(gen, batch_size, 5, sum((spans[k] for k in media), []), 6)
+    batch.update(input_ids=input_ids, attention_mask=attn, labels=labels)
+    if "image" in media:
+        batch["pixel_values"] = torch.randn(batch_size * _GRID * _GRID, width, generator=gen)
+        batch["image_grid_thw"] = torch.tensor([[1, _GRID, _GRID]] * batch_size, dtype=torch.long)
+    if "video" in media:
+        batch["pixel_values_videos"] = torch.randn(batch_size * _VIDEO_FRAMES * _GRID * _GRID, width, generator=gen)
+        batch["video_grid_thw"] = torch.tensor([[_VIDEO_FRAMES, _GRID, _GRID]] * batch_size, dtype=torch.long)
+    _add_mm_token_type_ids(model, batch)
+    return batch
 
 
 def _add_mm_token_type_ids(model, batch: dict) -> None:
