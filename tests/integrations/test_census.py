@@ -10,7 +10,7 @@ package registry (read without installing or importing it, see
 
 Anything else fails the test and names the release, the target and the code
 found.  The table is printed (``pytest -s``) and written to
-``.venv/census/census.md``.
+``.venv/census/census.md`` (``$FSDP2_CI_CENSUS_CACHE/census.md`` in CI).
 
 Network: the registry's JSON API and range reads of the wheels (a few MB a
 release; ~20 MB for verl + SkyRL from a fresh clone).  It runs once per CI run,

@@ -5,8 +5,10 @@ registry's JSON API; ``read_member(dist, version, path)`` returns the text of
 one file of that release (``None`` when the release has no such file).  A
 wheel is read with HTTP range requests (the zip's central directory and the
 one member), so even torch's 100+ MB wheels cost a few MB each; an sdist is
-downloaded whole.  Everything read is cached under ``.venv/census/`` so a
-second run asks the network for nothing.
+downloaded whole.  Everything read is cached under ``.venv/census/``
+(``FSDP2_CI_CENSUS_CACHE``; CI keeps it beside the venvs), and so is each
+target's fingerprint in each release, so a second run asks the network for
+nothing but the release lists and parses nothing it parsed before.
 
 ``classify(target, version, read)`` is the census verdict for one target in
 one release: ``covered`` (its code matches a recorded fingerprint, whose label
@@ -18,6 +20,7 @@ label does not include the release).
 Failures to reach the registry raise ``CensusError`` naming the release.
 """
 
+import functools
 import io
 import json
 import os
@@ -205,6 +208,45 @@ def read_module(dist, version, files, module):
         return text
 
 
+@functools.lru_cache(maxsize=None)
+def _algorithm():
+    """A hash of the fingerprinting code: cached fingerprints are valid only for the code that computed them."""
+    import hashlib
+    import inspect
+
+    from fsdp2_compat.core import guards
+
+    return hashlib.sha256(inspect.getsource(guards.fingerprint_source).encode()).hexdigest()[:16]
+
+
+def _fingerprint(target, version, text):
+    """``(fingerprint, None)`` or ``(None, why not)`` of ``target.attr`` in its module's ``text``; cached on disk
+    beside the source (parsing a large modeling file is most of a census that reads nothing from the network)."""
+    from fsdp2_compat.core import guards
+
+    path = os.path.join(CACHE, target.dist, version, target.module + ".fingerprints.json")
+    algorithm = _algorithm()
+    with _lock:
+        lock = _module_locks.setdefault(path, threading.Lock())
+    with lock:
+        known = {}
+        if os.path.exists(path):
+            known = json.load(open(path, encoding="utf-8"))
+            if known.get("algorithm") != algorithm:
+                known = {}
+        if target.attr not in known:
+            try:
+                known[target.attr] = [guards.fingerprint_source(text, target.attr), None]
+            except (LookupError, SyntaxError, ValueError) as exc:
+                known[target.attr] = [None, str(exc)]
+            known["algorithm"] = algorithm
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path + ".partial", "w", encoding="utf-8") as out:
+                json.dump(known, out)
+            os.replace(path + ".partial", path)
+        return tuple(known[target.attr])
+
+
 def _label_range(label):
     first, _, last = label.partition("-")
     return first, last or first
@@ -230,10 +272,9 @@ def classify(target, version, read):
     text = read()
     if text is None:
         return "unclassified", "%s is not in this release, and no declared spec says so" % target.module
-    try:
-        fp = guards.fingerprint_source(text, target.attr)
-    except (LookupError, SyntaxError, ValueError) as exc:
-        return "unclassified", "%s.%s: %s" % (target.module, target.attr, exc)
+    fp, error = _fingerprint(target, version, text)
+    if error is not None:
+        return "unclassified", "%s.%s: %s" % (target.module, target.attr, error)
     # The same code may come back after a release that changed it (transformers' Qwen3-VL forward: 4.57.0-4.57.1,
     # other code in 4.57.2-4.57.3, the first again from 4.57.4): one label per stretch, any may cover the release.
     matching = [label for label, known in target.fingerprints.items() if known == fp]
