@@ -36,10 +36,15 @@ marks video tokens with the image token id, so the image features never match
 their tokens): a rank has one kind or the other there, one tower call each,
 nothing to merge.
 
-Fails safe: the overrides live on the model instance for one forward call and
+Fails safe: the merge runs only where the class's ``get_video_features`` is
+``get_image_features`` (it calls it, or its code is the same once the video
+names read as the image names: ``video_path_is_image_path``, read from the
+installed release's source), so a release whose video path differs is never
+merged blind; the overrides live on the model instance for one forward call and
 are removed after it; a call whose pixels are not the forward's own (a caller
-that transforms them first) is passed to transformers' function unchanged,
-with one warning per class (the tower then runs twice there, as released).
+that transforms them first) is passed to transformers' function unchanged.
+Each refusal warns once per class: the tower then runs twice there, as
+released.
 
 Delete with ``mixed_media``: when transformers runs one tower call per
 micro-batch, or FSDP2 tolerates a unit one rank runs more often.
@@ -94,6 +99,67 @@ def split(value, sizes, where="output"):
         parts = [split(v, sizes, "%s[%d]" % (where, i)) for i, v in enumerate(value)]
         return type(value)(p[0] for p in parts), type(value)(p[1] for p in parts)
     raise MergeError("%s: a %s, which the merge does not know how to split" % (where, type(value).__name__))
+
+
+# The video path's names, as the image path spells them.
+_AS_IMAGE = {"pixel_values_videos": "pixel_values", "video_grid_thw": "image_grid_thw", "video_embeds": "image_embeds"}
+_SAME = {}
+
+
+def video_path_is_image_path(cls):
+    """``None`` when ``cls.get_video_features`` runs exactly what ``cls.get_image_features`` runs, else why not.
+
+    True for a body that only returns ``self.get_image_features(...)`` (Qwen3-VL, Qwen3.5) and for a body
+    whose code equals the image one's with the video names renamed (Qwen2-VL, Qwen2.5-VL): signatures and
+    bodies compared without docstrings, annotations or decorators.  Read once per class.
+    """
+    if cls not in _SAME:
+        _SAME[cls] = _compare(cls)
+    return _SAME[cls]
+
+
+def _compare(cls):
+    import ast
+    import inspect
+    import textwrap
+
+    def parsed(name):
+        fn = getattr(cls, name, None)
+        try:
+            return ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0]
+        except Exception as exc:  # no source (a C or runtime-built function), an unparsable cut
+            raise LookupError("%s.%s has no readable source (%s)" % (cls.__name__, name, exc)) from None
+
+    class Rename(ast.NodeTransformer):
+        def visit_Name(self, node):
+            return ast.copy_location(ast.Name(_AS_IMAGE.get(node.id, node.id), node.ctx), node)
+
+        def visit_arg(self, node):
+            return ast.copy_location(ast.arg(_AS_IMAGE.get(node.arg, node.arg)), node)
+
+    def statements(fn):  # the body without its docstring
+        return [n for i, n in enumerate(fn.body) if not (i == 0 and isinstance(n, ast.Expr) and isinstance(
+            n.value, ast.Constant) and isinstance(n.value.value, str))]
+
+    def code(fn):
+        return ast.dump(Rename().visit(ast.Module(body=[fn.args] + statements(fn), type_ignores=[])))
+
+    try:
+        video, image = parsed("get_video_features"), parsed("get_image_features")
+    except LookupError as exc:
+        return str(exc)
+    body = statements(video)
+    if len(body) == 1 and isinstance(body[0], ast.Return) and isinstance(body[0].value, ast.Call) and \
+            ast.unparse(body[0].value.func) == "self.get_image_features":
+        return None
+    for fn in (video, image):  # annotations are not code that runs
+        for a in fn.args.args + fn.args.kwonlyargs + [fn.args.vararg, fn.args.kwarg]:
+            if a is not None:
+                a.annotation = None
+        fn.returns = None
+    if code(video) != code(image):
+        return "%s.get_video_features is not get_image_features with the video names" % cls.__name__
+    return None
 
 
 def _warn_once(model, why):
@@ -157,7 +223,12 @@ def one_tower_call(model, arg):
     return installed()
 
 
-def carries_both(tower, arg):
+def carries_both(model, tower, arg):
     """Whether the call's arguments (``arg(name)``) carry every media kind ``tower.merge`` merges (images and
-    videos, with their grids)."""
-    return bool(tower.merge) and all(arg(n) is not None for n in tower.merge)
+    videos, with their grids) and the merge applies to ``model``'s class (else a warning, once per class)."""
+    if not tower.merge or any(arg(n) is None for n in tower.merge):
+        return False
+    why = video_path_is_image_path(type(model))
+    if why:
+        _warn_once(model, why)
+    return why is None

@@ -49,6 +49,10 @@ holds FSDP2-sharded parameters (units of its own or an enclosing unit).  The
 dummy's forward is a few patches through the tower (``benchmarks/mixed_ranks.py``
 measures it); its collectives are those of one image micro-batch.
 
+A micro-batch with images *and* videos makes the Qwen forwards run the tower
+twice (once per kind) where every other rank runs it once: on such a call the
+wrapper hands it to ``fixes.media_merge`` (one tower call for both kinds).
+
 Side effect, by design (verl's own forwards have it too): a rank cannot know
 whether another rank has an image without a collective of its own, so a
 text-only micro-batch always runs the dummy, and on a step where *every* rank
@@ -245,7 +249,7 @@ def _forward(wrapped, instance, args, kwargs):
     # transformers 5.24+: features computed before the call (the tower ran elsewhere: nothing to align here)
     media = media or bool(arg("mm_encoder_outputs"))
     cache = next((arg(n) for n in ("past_key_values", "cache") if arg(n) is not None), None)  # "cache": 5.24+
-    if media and media_merge.carries_both(tower, arg) and not unknown_tower(model) and tower_is_sharded(_tower(model)):
+    if media and media_merge.carries_both(model, tower, arg) and not unknown_tower(model) and tower_is_sharded(_tower(model)):
         with media_merge.one_tower_call(model, arg):  # images and videos: one tower call, as on every rank
             return wrapped(*args, **kwargs)
     if media or _decoding(cache):

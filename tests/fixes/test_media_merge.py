@@ -1,0 +1,73 @@
+"""``fixes.media_merge`` on the installed transformers, in one process: the merged tower call is the two calls.
+
+The two-rank proof (collectives, DP-average gradients) is ``tests/integrations/test_mixed_media_kinds.py``;
+here each family's forward with an image and a video runs once as released and once with one merged tower
+call, on the same weights and batch: the loss and every gradient must agree, the tower must run once instead
+of twice, and the model must hold no override afterwards.  The release's own source decides where the merge
+applies (``video_path_is_image_path``): the Qwen families yes, GLM-4.1V (frames flattened) no.
+"""
+
+import pytest
+
+pytest.importorskip("torch", reason="needs torch")
+pytest.importorskip("transformers", reason="needs transformers (tiny models)")
+
+from fsdp2_compat.fixes import media_merge  # noqa: E402
+from fsdp2_compat.tooling import tiny  # noqa: E402
+
+DEPENDS_ON = ("torch", "transformers")
+
+
+def _tower_calls(model):
+    calls = []
+    handle = model.model.visual.register_forward_pre_hook(lambda module, args: calls.append(1))
+    return calls, handle
+
+
+@pytest.mark.parametrize("family", [f for f in tiny.VIDEO_FAMILIES if f != "qwen2_vl"])  # qwen2_vl: no tiny build
+def test_one_merged_tower_call_gives_the_loss_and_gradients_of_two(family):
+    if tiny.available(family) is not True:
+        pytest.skip(str(tiny.available(family)))
+    model = tiny.quiet(tiny.build, family)
+    batch = tiny.make_batch(family, model, seed=3, media=("image", "video"))
+    calls, handle = _tower_calls(model)
+    released = model(**batch).loss
+    released.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert len(calls) == 2, "the released forward should run the tower once per kind"
+    model.zero_grad(set_to_none=True)
+    del calls[:]
+    base = model.model
+    assert media_merge.video_path_is_image_path(type(base)) is None
+    before = media_merge.STATS["merged_forwards"]
+    with media_merge.one_tower_call(base, batch.get):
+        merged = model(**batch).loss
+    merged.backward()
+    handle.remove()
+    assert len(calls) == 1 and media_merge.STATS["merged_forwards"] == before + 1
+    assert "get_image_features" not in base.__dict__ and "get_video_features" not in base.__dict__
+    assert abs(merged.item() - released.item()) < 1e-6
+    after = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert set(after) == set(grads)
+    worst = max(float((after[n] - grads[n]).abs().max()) for n in grads)
+    assert worst < 1e-6, worst
+    assert any(".visual." in n for n in grads)  # the tower got gradients through the merged call
+
+
+def test_glm4v_flattens_video_frames_so_its_video_path_is_not_merged():
+    from transformers.models.glm4v import modeling_glm4v
+
+    why = media_merge.video_path_is_image_path(modeling_glm4v.Glm4vModel)
+    assert why == "Glm4vModel.get_video_features is not get_image_features with the video names"
+
+
+def test_an_output_the_merge_cannot_split_is_a_clear_error():
+    import torch
+
+    sizes = media_merge._Sizes(torch.tensor([[1, 4, 4]]), torch.tensor([[2, 4, 4]]), 2)
+    image, video = media_merge.split((torch.zeros(4, 3), torch.zeros(8, 3)), sizes)  # per-item tensors
+    assert [t.shape[0] for t in image] == [4] and [t.shape[0] for t in video] == [8]
+    image, video = media_merge.split(torch.zeros(48, 3), sizes)  # patches: 16 of the image, 32 of the video
+    assert (image.shape[0], video.shape[0]) == (16, 32)
+    with pytest.raises(media_merge.MergeError, match=r"output\.x: a tensor of 5 rows is neither the 12 merged"):
+        media_merge.split({"x": torch.zeros(5, 3)}, sizes)
