@@ -34,7 +34,7 @@ def _accepts(fn, name: str) -> bool:
 
 # Families whose forward takes an image and a video in one micro-batch (``make_batch(media=...)``); GLM-4.1V's
 # cannot (its placeholder mask gives video tokens the image token id).
-VIDEO_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+VIDEO_FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 _VIDEO_FRAMES = 2  # temporal grid of a tiny video: 2 x temporal_patch_size frames
 
 
