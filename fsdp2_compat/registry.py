@@ -181,6 +181,7 @@ PATCHES = (
         "`aten.add.Tensor got mixed torch.Tensor and DTensor` (untied checkpoints: the vision "
         "`position_embedding.weight` is sliced raw in `interpolate_pos_encoding`)",
         {"hunyuan_vl": "HunYuan-VL / HunyuanOCR"},
+        mixed=transformers_media.HUNYUAN_VL,
     ),
     _selection_patch(
         "step3p7",
@@ -200,6 +201,7 @@ PATCHES = (
         "cosmos3",
         "`aten.add.Tensor got mixed torch.Tensor and DTensor` (SigLIP2-style vision `position_embedding` read raw)",
         {"cosmos3_edge": "Cosmos-3 Edge"},
+        mixed=transformers_media.COSMOS3_EDGE,
     ),
     _selection_patch(
         "deepseekocr2",

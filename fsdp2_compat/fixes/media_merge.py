@@ -30,7 +30,7 @@ tuples of those.  A structure it cannot split raises ``MergeError`` naming
 the field: a clear crash instead of a hang.
 
 Which towers: ``media_towers.Tower.merge`` (the Qwen families of
-``PATCH_GRID``).  The GLM-4.1V/4.5V/4.6V forwards cannot take an image and a
+``PATCH_GRID``, and Cosmos-3 Edge).  The GLM-4.1V/4.5V/4.6V forwards cannot take an image and a
 video in one micro-batch at all (every release's ``get_placeholder_mask``
 marks video tokens with the image token id, so the image features never match
 their tokens): a rank has one kind or the other there, one tower call each,
@@ -200,7 +200,7 @@ def one_tower_call(model, arg):
 
                 rest = {k: v for k, v in kwargs.items() if k not in ("pixel_values", "image_grid_thw",
                                                                       "pixel_values_videos", "video_grid_thw")}
-                sizes = _Sizes(image_grid, video_grid, model.visual.spatial_merge_size)
+                sizes = _Sizes(image_grid, video_grid, model.config.vision_config.spatial_merge_size)
                 out = cls.get_image_features(model, torch.cat([pixels, videos.to(pixels.dtype)]),
                                              torch.cat([image_grid, video_grid]), **rest)
                 STATS["merged_forwards"] += 1

@@ -80,6 +80,33 @@ PATCH_GRID = Tower("visual", ("pixel_values", "pixel_values_videos"), _grid_chec
 GLM_GRID = PATCH_GRID._replace(merge=())
 
 
+# --- HunYuan-VL (``HunYuanVLModel``), Cosmos-3 Edge (``Cosmos3EdgeModel``): transformers 5.13+ / 5.15+ --------
+# Flat patches without a temporal patch, ``[n, channels * patch**2]``, with the same ``[t, h, w]`` grid; the
+# merger (HunYuan-VL: a stride-``m`` convolution that needs a side > 1; Cosmos-3: its projector) turns ``m x m``
+# patches into one token, so the smallest image is one ``[1, s, s]`` grid, ``s = m`` (2 where ``m`` is 1).
+
+def _flat_geometry(model):
+    vision = _vision(model)
+    rest = _ints(vision, "num_channels", "patch_size", "spatial_merge_size") if vision is not None else None
+    if not rest:
+        return "its vision_config lacks num_channels / patch_size / spatial_merge_size"
+    channels, patch, merge = rest
+    return channels * patch * patch, merge if merge > 1 else 2
+
+
+def _flat_check(model):
+    geometry = _flat_geometry(model)
+    return geometry if isinstance(geometry, str) else None
+
+
+def _flat_run(model, device):
+    import torch
+
+    width, side = _flat_geometry(model)
+    grid = torch.tensor([[1, side, side]], dtype=torch.long, device=device)
+    return model.get_image_features(torch.zeros(side * side, width, device=device), grid)
+
+
 # --- PaddleOCR-VL (``PaddleOCRVLModel``) --------------------------------------------------------------------
 # ``get_image_features(pixel_values [n, channels, patch, patch], image_grid_thw)``: unflattened patches, the
 # same ``[t, h, w]`` grid; its projector (outside ``visual``, run by ``get_image_features``) merges
@@ -183,6 +210,10 @@ TOWERS = {
     "PaddleOCRVLModel": Tower("visual", ("pixel_values",), _paddle_check, _paddle_run,
                               lambda model: model.language_model.embed_tokens),
     "Lfm2VlModel": Tower("vision_tower", ("pixel_values",), _lfm2_check, _lfm2_run),
+    "HunYuanVLModel": Tower("vision_tower", ("pixel_values",), _flat_check, _flat_run),
+    # its get_video_features calls get_image_features: images and videos merge as the Qwen families'
+    "Cosmos3EdgeModel": Tower("visual", ("pixel_values", "pixel_values_videos"), _flat_check, _flat_run,
+                              merge=PATCH_GRID.merge),
     "Qwen2AudioForConditionalGeneration": _QWEN2_AUDIO,
     "Qwen2AudioModel": _QWEN2_AUDIO,
     "VoxtralForConditionalGeneration": _VOXTRAL,

@@ -14,9 +14,12 @@ grid), LFM2-VL (SigLIP2 NaFlex ``vision_tower``), and the Whisper-style
 ``audio_tower`` of Qwen2-Audio, Voxtral and AudioFlamingo3 (media
 ``input_features``; the outer class's forward runs the tower until 5.9.0,
 ``<Family>Model.forward`` from 5.10.0: two targets each, each declaring the
-other's releases).  Not covered, left alone (no target; the family's patch
-does not claim it): HunYuan-VL, Step-3.7, GLM-Image, Cosmos-3, DeepSeek-OCR-2
-and Chameleon: not read for this fix yet.
+other's releases), and, new in transformers 5.1x, HunYuan-VL (from 5.13.0,
+``vision_tower``) and Cosmos-3 Edge (from 5.15.0, ``visual``): flat patches
+with the same grid.  Not covered, left alone (no target; the family's patch
+does not claim it): Step-3.7, GLM-Image, DeepSeek-OCR-2 and Chameleon (towers
+of other kinds: a fixed-size image, a VQ tokenizer, SAM with learned queries),
+not read for this fix yet.
 
 Releases (every published transformers release was read, see ``FORWARD_FINGERPRINTS``):
 - fingerprinted: 4.57.0-5.25.0 (the newest), each release's code of the
@@ -68,6 +71,8 @@ FAMILIES = {
     # towers of their own kind (fixes.media_towers.TOWERS)
     "lfm2_vl": ("Lfm2VlModel", "4.57.0"),
     "paddleocr_vl": ("PaddleOCRVLModel", "5.0.0rc1"),
+    "hunyuan_vl": ("HunYuanVLModel", "5.13.0"),
+    "cosmos3_edge": ("Cosmos3EdgeModel", "5.15.0"),
     # the outer class runs the tower until 5.9.0; from 5.10.0 VoxtralModel does (VOXTRAL_OUTER_FINGERPRINTS)
     "qwen2_audio": ("Qwen2AudioModel", "4.45.0"),
     "voxtral": ("VoxtralModel", "4.54.0"),
@@ -244,6 +249,21 @@ FORWARD_FINGERPRINTS = {
         "5.23.0": "5f9d456062a55a2f",
         "5.24.0-5.25.0": "e8958dcd4dd7f4eb",
     },
+    # families new in transformers 5.1x, read from every wheel that has them (5.13.0 / 5.15.0 to 5.25.0)
+    "hunyuan_vl": {
+        "5.13.0-5.14.1": "e7f709657ca7c04d",
+        "5.15.0-5.17.0": "b6617cf42af55fbb",
+        "5.18.0-5.20.0": "7c1023b301aa2dca",
+        "5.20.1-5.22.2": "3c869dc70da6126f",
+        "5.23.0": "8882d42b32d445d3",
+        "5.24.0-5.25.0": "90b03d9fc32dd1e9",
+    },
+    "cosmos3_edge": {
+        "5.15.0-5.17.0": "b88836a9e2158d82",
+        "5.18.0-5.22.2": "33453fa4d1f2c886",
+        "5.23.0": "2ef1a7a1dbb97733",
+        "5.24.0-5.25.0": "f85545d9fc31e17c",
+    },
 }
 
 
@@ -335,5 +355,9 @@ QWEN2_AUDIO = _outer_then_base("qwen2_audio", "Qwen2AudioForConditionalGeneratio
 VOXTRAL = _outer_then_base("voxtral", "VoxtralForConditionalGeneration")
 AUDIOFLAMINGO3 = _outer_then_base("audioflamingo3", "AudioFlamingo3ForConditionalGeneration")
 LFM2_VL = (_target("lfm2_vl"),)
+# Proven with 5.16.1 (the 5.15.0-5.17.0 code); 5.24.0 passes the same tests, with the "not in the proven range" note.
+HUNYUAN_VL = (_target("hunyuan_vl", versions=">=5.15.0,<=5.17.0"),)
+COSMOS3_EDGE = (_target("cosmos3_edge", versions=">=5.15.0,<=5.17.0"),)
 PADDLEOCR_VL = (_target("paddleocr_vl"),)
-TARGETS = QWEN2_VL + QWEN3_VL + GLM4V + QWEN3_5 + LFM2_VL + PADDLEOCR_VL + QWEN2_AUDIO + VOXTRAL + AUDIOFLAMINGO3
+TARGETS = (QWEN2_VL + QWEN3_VL + GLM4V + QWEN3_5 + LFM2_VL + PADDLEOCR_VL + QWEN2_AUDIO + VOXTRAL + AUDIOFLAMINGO3
+           + HUNYUAN_VL + COSMOS3_EDGE)

@@ -4,9 +4,10 @@
 GLM-4.1V and Qwen3.5.  This module proves it per transformers release on the
 other families the fix wraps (GLM-4.5V ``glm4v_moe``, GLM-4.6V ``glm46v``,
 Qwen3-VL-MoE ``qwen3_vl_moe``, LFM2-VL, PaddleOCR-VL, and the audio towers of
-Qwen2-Audio, Voxtral and AudioFlamingo3 from ``tooling.tiny``; Qwen2-VL and Qwen3.5-MoE from
+Qwen2-Audio, Voxtral and AudioFlamingo3, and HunYuan-VL and Cosmos-3 Edge (transformers 5.13+ / 5.15+)
+from ``tooling.tiny``; Qwen2-VL and Qwen3.5-MoE from
 the test-only builders of ``accum_jobs.TEST_ONLY``): their forwards are
-separate targets with fingerprints of their own, and the last five towers have
+separate targets with fingerprints of their own, and the last seven towers have
 adapters of their own (``fixes.media_towers``).  Its outcome
 depends on torch and transformers only, so the sharding is one generic
 per-layer-class ``fully_shard`` (``FRAMEWORK``: the first installed framework
@@ -48,10 +49,10 @@ PG_TIMEOUT = 20
 STEPS = ((("image",), ("text",)), (("text",), ("image",)))  # rank 0 image / rank 1 text-only, then the reverse
 MISMATCH = "Received data size doesn't match expected size. Is there a distributed collective mismatch"
 FAMILIES = ("glm4v_moe", "glm46v", "qwen3_vl_moe", "qwen2_vl", "qwen3_5_moe", "lfm2_vl", "paddleocr_vl", "qwen2_audio",
-            "voxtral", "audioflamingo3")
+            "voxtral", "audioflamingo3", "hunyuan_vl", "cosmos3_edge")
 # Built by the tests only (accum_jobs.TEST_ONLY): the transformers class each needs.
 TEST_ONLY_CLASS = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
-TOWER = {"lfm2_vl": "vision_tower", "qwen2_audio": "audio_tower", "voxtral": "audio_tower", "audioflamingo3": "audio_tower"}  # the tower's attribute on the base model where it is not `visual`
+TOWER = {"lfm2_vl": "vision_tower", "hunyuan_vl": "vision_tower", "qwen2_audio": "audio_tower", "voxtral": "audio_tower", "audioflamingo3": "audio_tower"}  # the tower's attribute on the base model where it is not `visual`
 # No vision layer class in _no_split_modules: the tower is in the root unit, whose reduce-scatter is shorter
 # on a text-only rank unpatched (its vision parameters have no gradient).
 ROOT_UNIT_TOWERS = ("paddleocr_vl",)
@@ -60,10 +61,8 @@ UNPATCHED_FAMILY = "glm4v_moe"
 _GRID_LACKS = "its vision_config lacks in_channels / temporal_patch_size / patch_size / spatial_merge_size"
 UNKNOWN_TOWERS = {
     # families new in transformers 5.1x (tooling.tiny.recent): not read for the mixed-ranks fix
-    "hunyuan_vl": "it has no `visual` tower",
     "step3p7": "it has no `visual` tower",
     "glm_image": _GRID_LACKS,  # a `visual` tower, without the Qwen/GLM patch-grid config
-    "cosmos3_edge": _GRID_LACKS,
     "deepseek_ocr2": "it has no `visual` tower",
     "chameleon": "it has no `visual` tower",  # a VQ image tokenizer, no encoder tower
 }

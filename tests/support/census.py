@@ -222,6 +222,8 @@ def _algorithm():
 def _fingerprint(target, version, text):
     """``(fingerprint, None)`` or ``(None, why not)`` of ``target.attr`` in its module's ``text``; cached on disk
     beside the source (parsing a large modeling file is most of a census that reads nothing from the network)."""
+    import hashlib
+
     from fsdp2_compat.core import guards
 
     path = os.path.join(CACHE, target.dist, version, target.module + ".fingerprints.json")
@@ -234,17 +236,20 @@ def _fingerprint(target, version, text):
             known = json.load(open(path, encoding="utf-8"))
             if known.get("algorithm") != algorithm:
                 known = {}
-        if target.attr not in known:
+        # keyed by the source too: a published release's file never changes, but a caller may classify other
+        # text under the same release (tests/tooling/test_census_message.py's toy releases)
+        key = "%s:%s" % (target.attr, hashlib.sha256(text.encode()).hexdigest()[:16])
+        if key not in known:
             try:
-                known[target.attr] = [guards.fingerprint_source(text, target.attr), None]
+                known[key] = [guards.fingerprint_source(text, target.attr), None]
             except (LookupError, SyntaxError, ValueError) as exc:
-                known[target.attr] = [None, str(exc)]
+                known[key] = [None, str(exc)]
             known["algorithm"] = algorithm
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(path + ".partial", "w", encoding="utf-8") as out:
                 json.dump(known, out)
             os.replace(path + ".partial", path)
-        return tuple(known[target.attr])
+        return tuple(known[key])
 
 
 def _label_range(label):

@@ -34,7 +34,7 @@ def _accepts(fn, name: str) -> bool:
 
 # Families whose forward takes an image and a video in one micro-batch (``make_batch(media=...)``); GLM-4.1V's
 # cannot (its placeholder mask gives video tokens the image token id).
-VIDEO_FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+VIDEO_FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "cosmos3_edge")
 _VIDEO_FRAMES = 2  # temporal grid of a tiny video: 2 x temporal_patch_size frames
 
 
@@ -136,11 +136,14 @@ def _with_videos(family, model, seed, batch_size, media):
         raise ValueError("media=%r: %s takes ('image',) only (videos: %s)" % (media, family, VIDEO_FAMILIES))
     gen = torch.Generator().manual_seed(int(seed))
     vcfg = model.config.vision_config
-    width = vcfg.in_channels * vcfg.temporal_patch_size * vcfg.patch_size**2
+    if getattr(vcfg, "temporal_patch_size", None):  # the Qwen towers' Conv3d patches
+        width = vcfg.in_channels * vcfg.temporal_patch_size * vcfg.patch_size**2
+    else:  # Cosmos-3 Edge: flat 2D patches (recent's ids and geometry are this module's)
+        width = vcfg.num_channels * vcfg.patch_size**2
     frame = [_VSTART] + [_VID] * _IMAGE_TOKENS + [_VEND]
-    # Qwen3-VL's M-RoPE splits a video into one span per temporal patch (timestamps between them);
-    # Qwen2-VL's and Qwen2.5-VL's take one span for the whole video.
-    per_frame = family.startswith("qwen3")
+    # Qwen3-VL's and Cosmos-3's M-RoPE split a video into one span per temporal patch (timestamps between
+    # them); Qwen2-VL's and Qwen2.5-VL's take one span for the whole video.
+    per_frame = family.startswith("qwen3") or family == "cosmos3_edge"
     spans = {"image": [_VSTART] + [_IMG] * _IMAGE_TOKENS + [_VEND],
              "video": frame * _VIDEO_FRAMES if per_frame
              else [_VSTART] + [_VID] * (_IMAGE_TOKENS * _VIDEO_FRAMES) + [_VEND]}
