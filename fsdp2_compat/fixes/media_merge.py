@@ -162,18 +162,22 @@ def _compare(cls):
     return None
 
 
-def _warn_once(model, why):
+def warn_once(seen, model, line):
+    """Log and warn ``line`` (``%s``: the model's class) once per class in ``seen``: what the fixes leave alone."""
     cls = type(model).__name__
-    if cls in _WARNED:
+    if cls in seen:
         return
-    _WARNED.add(cls)
+    seen.add(cls)
     import logging
     import warnings
 
-    line = ("fsdp2-compat: images and videos in one micro-batch: %s's tower runs twice (%s); a rank with one kind "
-            "runs it once, so FSDP2's collectives can stall" % (cls, why))
-    logging.getLogger("fsdp2_compat").warning(line)
-    warnings.warn(line, UserWarning, stacklevel=4)
+    logging.getLogger("fsdp2_compat").warning(line % cls)
+    warnings.warn(line % cls, UserWarning, stacklevel=5)  # the caller of the fix that warns
+
+
+def _warn_once(model, why):
+    warn_once(_WARNED, model, "fsdp2-compat: images and videos in one micro-batch: %%s's tower runs twice (%s); a "
+              "rank with one kind runs it once, so FSDP2's collectives can stall" % why.replace("%", "%%"))
 
 
 def one_tower_call(model, arg):

@@ -134,17 +134,9 @@ def unknown_tower(model):
 
 
 def _warn_unknown(model, why):
-    cls = type(model).__name__
-    if cls in _WARNED:
-        return
-    _WARNED.add(cls)
-    import logging
-    import warnings
-
-    line = ("fsdp2-compat: mixed text/image ranks: %s is left alone (%s); a text-only micro-batch on one rank "
-            "and an image on another will stall its FSDP2 collectives" % (cls, why))
-    logging.getLogger("fsdp2_compat").warning(line)
-    warnings.warn(line, UserWarning, stacklevel=4)
+    media_merge.warn_once(_WARNED, model, "fsdp2-compat: mixed text/image ranks: %%s is left alone (%s); a text-only "
+                          "micro-batch on one rank and an image on another will stall its FSDP2 collectives"
+                          % why.replace("%", "%%"))
 
 
 def needed_for(model):

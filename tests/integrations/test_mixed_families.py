@@ -30,17 +30,12 @@ here too: their patches carry no mixed-ranks target, and the fix says why it
 would leave their tower alone (``mixed_media.unknown_tower``).
 """
 
-import json
-import os
-import tempfile
-
 import pytest
 
 pytest.importorskip("torch", reason="needs torch (real FSDP2 on CPU gloo)")
 pytest.importorskip("transformers", reason="needs transformers (tiny models)")
 
 from fsdp2_compat import registry  # noqa: E402
-from fsdp2_compat.tooling.ranks import RankError, run_ranks  # noqa: E402
 from support import accum_jobs, mixed_jobs  # noqa: E402
 
 DEPENDS_ON = ("torch", "transformers")
@@ -110,22 +105,9 @@ def _run():
         unpatched = (UNPATCHED_FAMILY if UNPATCHED_FAMILY in families else families[0],
                      ("unpatched", "user-without-mixed", "fp32", "every", STEPS))
         cases = [("fp32 every", "user", "fp32", "every", STEPS)]
-        with tempfile.TemporaryDirectory(prefix="mixed_families_") as tmp:
-            try:
-                got = run_ranks(mixed_jobs.patched_then_unpatched, 2, tmp, FRAMEWORK, families, cases, unpatched,
-                                timeout=PG_TIMEOUT + 240, retries=0, pg_timeout=PG_TIMEOUT)
-                outcomes = [r["unpatched"]["error"] for r in got]
-            except RankError as exc:
-                outcomes = [exc.errors.get(rank, ("reported nothing else", ""))[0] for rank in range(2)]
-            patched, stderr = [], []
-            for rank in range(2):
-                path = os.path.join(tmp, "rank%d.json" % rank)
-                patched.append(json.load(open(path, encoding="utf-8")) if os.path.exists(path) else None)
-                path = os.path.join(tmp, "rank%d.err" % rank)
-                stderr.append(open(path, encoding="utf-8", errors="replace").read() if os.path.exists(path) else "")
-        assert None not in patched, "a rank died before its patched results were written: %s %s" % (outcomes, stderr)
-        _RESULTS["run"] = ({f: [p[f] for p in patched] for f in families}, unpatched[0],
-                           list(zip(outcomes, stderr)))
+        patched, ranks = mixed_jobs.run_patched_then_unpatched(FRAMEWORK, families, cases, unpatched, PG_TIMEOUT,
+                                                               "mixed_families_")
+        _RESULTS["run"] = (patched, unpatched[0], ranks)
     return _RESULTS["run"]
 
 

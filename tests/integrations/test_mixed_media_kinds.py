@@ -18,16 +18,11 @@ per-layer-class wrapping of ``test_mixed_families.py`` (``mixed_jobs.generic_fra
 processes runs every case patched, then one unpatched case last (gloo's abort ends the process).
 """
 
-import json
-import os
-import tempfile
-
 import pytest
 
 pytest.importorskip("torch", reason="needs torch (real FSDP2 on CPU gloo)")
 pytest.importorskip("transformers", reason="needs transformers (tiny models)")
 
-from fsdp2_compat.tooling.ranks import RankError, run_ranks  # noqa: E402
 from support import accum_jobs, mixed_jobs  # noqa: E402
 
 DEPENDS_ON = ("torch", "transformers")
@@ -54,22 +49,8 @@ def _expected(steps, kind):
 
 def _run():
     if "run" not in _RESULTS:
-        families = list(FAMILIES)
-        with tempfile.TemporaryDirectory(prefix="mixed_kinds_") as tmp:
-            try:
-                got = run_ranks(mixed_jobs.patched_then_unpatched, 2, tmp, FRAMEWORK, families, CASES, UNPATCHED,
-                                timeout=PG_TIMEOUT + 240, retries=0, pg_timeout=PG_TIMEOUT)
-                outcomes = [r["unpatched"]["error"] for r in got]
-            except RankError as exc:
-                outcomes = [exc.errors.get(rank, ("reported nothing else", ""))[0] for rank in range(2)]
-            patched, stderr = [], []
-            for rank in range(2):
-                path = os.path.join(tmp, "rank%d.json" % rank)
-                patched.append(json.load(open(path, encoding="utf-8")) if os.path.exists(path) else None)
-                path = os.path.join(tmp, "rank%d.err" % rank)
-                stderr.append(open(path, encoding="utf-8", errors="replace").read() if os.path.exists(path) else "")
-        assert None not in patched, "a rank died before its patched results were written: %s %s" % (outcomes, stderr)
-        _RESULTS["run"] = ({f: [p[f] for p in patched] for f in families}, list(zip(outcomes, stderr)))
+        _RESULTS["run"] = mixed_jobs.run_patched_then_unpatched(FRAMEWORK, list(FAMILIES), CASES, UNPATCHED, PG_TIMEOUT,
+                                                                "mixed_kinds_")
     return _RESULTS["run"]
 
 

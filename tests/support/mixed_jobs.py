@@ -112,6 +112,36 @@ def patched_then_unpatched(rank, world, directory, framework, families, cases, u
     return per_family(rank, world, framework, [family], [case])[family]
 
 
+def run_patched_then_unpatched(framework, families, cases, unpatched, pg_timeout, prefix):
+    """Run ``patched_then_unpatched`` on 2 gloo ranks (from the test process) and collect what it left.
+
+    ``({family: [rank results]}, [(unpatched outcome, stderr)] per rank)``: the patched results come from the
+    files the ranks wrote before the unpatched case (whose abort ends them); a rank that died before writing
+    them fails here, with every rank's outcome and stderr.
+    """
+    import json
+    import os
+    import tempfile
+
+    from fsdp2_compat.tooling.ranks import RankError, run_ranks
+
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        try:
+            got = run_ranks(patched_then_unpatched, 2, tmp, framework, families, cases, unpatched,
+                            timeout=pg_timeout + 240, retries=0, pg_timeout=pg_timeout)
+            outcomes = [r["unpatched"]["error"] for r in got]
+        except RankError as exc:
+            outcomes = [exc.errors.get(rank, ("reported nothing else", ""))[0] for rank in range(2)]
+        patched, stderr = [], []
+        for rank in range(2):
+            path = os.path.join(tmp, "rank%d.json" % rank)
+            patched.append(json.load(open(path, encoding="utf-8")) if os.path.exists(path) else None)
+            path = os.path.join(tmp, "rank%d.err" % rank)
+            stderr.append(open(path, encoding="utf-8", errors="replace").read() if os.path.exists(path) else "")
+    assert None not in patched, "a rank died before its patched results were written: %s %s" % (outcomes, stderr)
+    return {f: [p[f] for p in patched] for f in families}, list(zip(outcomes, stderr))
+
+
 def strategy_with_stderr_file(rank, world, directory, *args, **kwargs):
     """``tooling.engines.skyrl_strategy.train_skyrl_strategy`` with this rank's fd 2 in ``directory/rank<N>.err``
     (gloo prints the collective mismatch there before it aborts the rank)."""
