@@ -196,8 +196,13 @@ def one_tower_call(model, arg):
         def part(kind, args, kwargs):
             own = pixels if kind == "image" else videos
             first = args[0] if args else kwargs.get("pixel_values" if kind == "image" else "pixel_values_videos")
-            if first is not own or merged.get("done") and kind not in merged:
-                _warn_once(model, "the forward passed %s pixels that are not its own argument, or asked twice" % kind)
+            if merged.get("released") or first is not own or merged.get("done") and kind not in merged:
+                # not the call this merge was built for: transformers' own function, for the rest of this forward
+                # too (a merged call after a released one would run the tower a third time)
+                if not merged.get("released"):
+                    _warn_once(model, "the forward passed %s pixels that are not its own argument, or asked twice"
+                               % kind)
+                merged["released"] = True
                 return getattr(cls, "get_%s_features" % kind)(model, *args, **kwargs)
             if not merged:
                 import torch

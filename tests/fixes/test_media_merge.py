@@ -80,3 +80,20 @@ def test_an_output_the_merge_cannot_split_is_a_clear_error():
     assert (image.shape[0], video.shape[0]) == (16, 32)
     with pytest.raises(media_merge.MergeError, match=r"output\.x: a tensor of 5 rows is neither the 12 merged"):
         media_merge.split({"x": torch.zeros(5, 3)}, sizes)
+
+
+def test_a_call_with_pixels_that_are_not_the_forwards_own_runs_as_released_for_the_rest_of_the_forward():
+    """A forward that transforms its pixels before the feature call gets transformers' two calls, with a
+    warning, never a merged call on top of a released one."""
+    model, _ = _build("qwen2_5_vl")
+    batch = tiny.make_batch("qwen2_5_vl", model, seed=4, media=("image", "video"))
+    base = model.model
+    media_merge._WARNED.discard(type(base).__name__)  # once per class and process: whatever ran before here
+    calls, handle = _tower_calls(model)
+    before = media_merge.STATS["merged_forwards"]
+    with pytest.warns(UserWarning, match="tower runs twice"):
+        with media_merge.one_tower_call(base, batch.get):
+            base.get_image_features(batch["pixel_values"].clone(), batch["image_grid_thw"])
+            base.get_video_features(batch["pixel_values_videos"], batch["video_grid_thw"])
+    handle.remove()
+    assert len(calls) == 2 and media_merge.STATS["merged_forwards"] == before
