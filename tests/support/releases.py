@@ -38,8 +38,10 @@ def download_wheel(dist, version, cache_dir, timeout=180):
     Raises ``RuntimeError`` with pip's output when the download fails.
     """
     os.makedirs(cache_dir, exist_ok=True)
-    stem = "%s-%s-" % (_package(dist), version)
-    found = [n for n in os.listdir(cache_dir) if n.startswith(stem) and n.endswith(".whl")]
+    # A build with a local label (``torch-2.13.0+cpu-...``, what this machine's find-links serves for
+    # ``torch==2.13.0``) is the same release's code: accept it, or pip's "already downloaded" finds nothing here.
+    stems = ("%s-%s-" % (_package(dist), version), "%s-%s+" % (_package(dist), version))
+    found = [n for n in os.listdir(cache_dir) if n.startswith(stems) and n.endswith(".whl")]
     if found:
         return os.path.join(cache_dir, sorted(found)[0])
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
@@ -49,7 +51,7 @@ def download_wheel(dist, version, cache_dir, timeout=180):
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise RuntimeError("%s failed: %s" % (" ".join(cmd), exc)) from None
-    found = [n for n in os.listdir(cache_dir) if n.startswith(stem) and n.endswith(".whl")]
+    found = [n for n in os.listdir(cache_dir) if n.startswith(stems) and n.endswith(".whl")]
     if proc.returncode != 0 or not found:
         tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
         raise RuntimeError("%s failed (%d): %s" % (" ".join(cmd[2:]), proc.returncode, " | ".join(tail)))
@@ -61,7 +63,8 @@ def extract_wheel(wheel, dest):
     marker = os.path.join(dest, ".extracted")
     if not os.path.exists(marker):
         with zipfile.ZipFile(wheel) as zf:
-            zf.extractall(dest, [n for n in zf.namelist() if ".dist-info/" not in n])
+            # Python sources only: the diffs and fingerprints read nothing else (torch's libraries are ~700 MB)
+            zf.extractall(dest, [n for n in zf.namelist() if ".dist-info/" not in n and n.endswith(".py")])
         open(marker, "w").close()
     return dest
 
