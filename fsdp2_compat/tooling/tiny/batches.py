@@ -35,7 +35,7 @@ def _accepts(fn, name: str) -> bool:
 # Families whose forward takes an image and a video in one micro-batch (``make_batch(media=...)``); GLM-4.1V's
 # cannot (its placeholder mask gives video tokens the image token id).
 VIDEO_FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "cosmos3_edge")
-_VIDEO_FRAMES = 2  # temporal grid of a tiny video: 2 x temporal_patch_size frames
+_VIDEO_FRAMES = 2  # temporal grid of a tiny video: 2 x temporal_patch_size frames (Qwen2-VL, Qwen2.5-VL)
 
 
 def make_batch(family: str, model, *, seed: int, batch_size: int = 2, media=("image",)) -> dict:
@@ -140,13 +140,12 @@ def _with_videos(family, model, seed, batch_size, media):
         width = vcfg.in_channels * vcfg.temporal_patch_size * vcfg.patch_size**2
     else:  # Cosmos-3 Edge: flat 2D patches (recent's ids and geometry are this module's)
         width = vcfg.num_channels * vcfg.patch_size**2
-    frame = [_VSTART] + [_VID] * _IMAGE_TOKENS + [_VEND]
-    # Qwen3-VL's and Cosmos-3's M-RoPE split a video into one span per temporal patch (timestamps between
-    # them); Qwen2-VL's and Qwen2.5-VL's take one span for the whole video.
-    per_frame = family.startswith("qwen3") or family == "cosmos3_edge"
+    # Qwen2-VL's and Qwen2.5-VL's M-RoPE take one span for a whole video.  Qwen3-VL's and Cosmos-3's want one
+    # span per temporal patch, and their releases disagree on how those spans meet the grid (4.57 and 5.8+
+    # split the video's grid per temporal patch, 5.3.0 does not): one temporal patch is the same layout in all.
+    frames = 1 if family.startswith("qwen3") or family == "cosmos3_edge" else _VIDEO_FRAMES
     spans = {"image": [_VSTART] + [_IMG] * _IMAGE_TOKENS + [_VEND],
-             "video": frame * _VIDEO_FRAMES if per_frame
-             else [_VSTART] + [_VID] * (_IMAGE_TOKENS * _VIDEO_FRAMES) + [_VEND]}
+             "video": [_VSTART] + [_VID] * (_IMAGE_TOKENS * frames) + [_VEND]}
     batch = {}
     input_ids, attn, labels = with_placeholders(gen, batch_size, 5, sum((spans[k] for k in media), []), 6)
     batch.update(input_ids=input_ids, attention_mask=attn, labels=labels)
@@ -154,8 +153,8 @@ def _with_videos(family, model, seed, batch_size, media):
         batch["pixel_values"] = torch.randn(batch_size * _GRID * _GRID, width, generator=gen)
         batch["image_grid_thw"] = torch.tensor([[1, _GRID, _GRID]] * batch_size, dtype=torch.long)
     if "video" in media:
-        batch["pixel_values_videos"] = torch.randn(batch_size * _VIDEO_FRAMES * _GRID * _GRID, width, generator=gen)
-        batch["video_grid_thw"] = torch.tensor([[_VIDEO_FRAMES, _GRID, _GRID]] * batch_size, dtype=torch.long)
+        batch["pixel_values_videos"] = torch.randn(batch_size * frames * _GRID * _GRID, width, generator=gen)
+        batch["video_grid_thw"] = torch.tensor([[frames, _GRID, _GRID]] * batch_size, dtype=torch.long)
     _add_mm_token_type_ids(model, batch)
     return batch
 
