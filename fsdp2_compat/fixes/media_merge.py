@@ -50,6 +50,8 @@ Delete with ``mixed_media``: when transformers runs one tower call per
 micro-batch, or FSDP2 tolerates a unit one rank runs more often.
 """
 
+import contextlib
+
 # How many merged tower calls ran in this process (tests and benchmarks read it).
 STATS = {"merged_forwards": 0}
 
@@ -180,56 +182,50 @@ def _warn_once(model, why):
               "rank with one kind runs it once, so FSDP2's collectives can stall" % why.replace("%", "%%"))
 
 
+@contextlib.contextmanager
 def one_tower_call(model, arg):
-    """A context manager for one forward call of ``model`` whose arguments (``arg(name)``: the bound value)
-    carry images and videos: ``get_image_features`` / ``get_video_features`` share one tower call for its
-    duration."""
-    import contextlib
+    """For one forward call of ``model`` whose arguments (``arg(name)``: the bound value) carry images and
+    videos: ``get_image_features`` / ``get_video_features`` share one tower call."""
+    pixels, image_grid = arg("pixel_values"), arg("image_grid_thw")
+    videos, video_grid = arg("pixel_values_videos"), arg("video_grid_thw")
+    cls = type(model)
+    parts = {}  # kind -> its part of the merged output, until the forward asks for it
+    state = {"merged": False, "released": False}
 
-    @contextlib.contextmanager
-    def installed():
-        pixels, image_grid = arg("pixel_values"), arg("image_grid_thw")
-        videos, video_grid = arg("pixel_values_videos"), arg("video_grid_thw")
-        cls = type(model)
-        merged = {}
+    def part(kind, args, kwargs):
+        own = pixels if kind == "image" else videos
+        first = args[0] if args else kwargs.get("pixel_values" if kind == "image" else "pixel_values_videos")
+        if state["released"] or first is not own or state["merged"] and kind not in parts:
+            # not the call this merge was built for: transformers' own function, for the rest of this forward
+            # too (a merged call after a released one would run the tower a third time)
+            if not state["released"]:
+                _warn_once(model, "the forward passed %s pixels that are not its own argument, or asked twice" % kind)
+            state["released"] = True
+            return getattr(cls, "get_%s_features" % kind)(model, *args, **kwargs)
+        if not state["merged"]:
+            import torch
 
-        def part(kind, args, kwargs):
-            own = pixels if kind == "image" else videos
-            first = args[0] if args else kwargs.get("pixel_values" if kind == "image" else "pixel_values_videos")
-            if merged.get("released") or first is not own or merged.get("done") and kind not in merged:
-                # not the call this merge was built for: transformers' own function, for the rest of this forward
-                # too (a merged call after a released one would run the tower a third time)
-                if not merged.get("released"):
-                    _warn_once(model, "the forward passed %s pixels that are not its own argument, or asked twice"
-                               % kind)
-                merged["released"] = True
-                return getattr(cls, "get_%s_features" % kind)(model, *args, **kwargs)
-            if not merged:
-                import torch
+            rest = {k: v for k, v in kwargs.items() if k not in ("pixel_values", "image_grid_thw",
+                                                                  "pixel_values_videos", "video_grid_thw")}
+            sizes = _Sizes(image_grid, video_grid, model.config.vision_config.spatial_merge_size)
+            out = cls.get_image_features(model, torch.cat([pixels, videos.to(pixels.dtype)]),
+                                         torch.cat([image_grid, video_grid]), **rest)
+            STATS["merged_forwards"] += 1
+            parts["image"], parts["video"] = split(out, sizes, "%s.get_image_features()" % cls.__name__)
+            state["merged"] = True
+        return parts.pop(kind)
 
-                rest = {k: v for k, v in kwargs.items() if k not in ("pixel_values", "image_grid_thw",
-                                                                      "pixel_values_videos", "video_grid_thw")}
-                sizes = _Sizes(image_grid, video_grid, model.config.vision_config.spatial_merge_size)
-                out = cls.get_image_features(model, torch.cat([pixels, videos.to(pixels.dtype)]),
-                                             torch.cat([image_grid, video_grid]), **rest)
-                STATS["merged_forwards"] += 1
-                merged["image"], merged["video"] = split(out, sizes, "%s.get_image_features()" % cls.__name__)
-                merged["done"] = True
-            return merged.pop(kind)
-
-        saved = {n: model.__dict__[n] for n in ("get_image_features", "get_video_features") if n in model.__dict__}
-        model.get_image_features = lambda *a, **k: part("image", a, k)
-        model.get_video_features = lambda *a, **k: part("video", a, k)
-        try:
-            yield
-        finally:
-            for name in ("get_image_features", "get_video_features"):
-                if name in saved:
-                    setattr(model, name, saved[name])
-                else:
-                    delattr(model, name)
-
-    return installed()
+    saved = {n: model.__dict__[n] for n in ("get_image_features", "get_video_features") if n in model.__dict__}
+    model.get_image_features = lambda *a, **k: part("image", a, k)
+    model.get_video_features = lambda *a, **k: part("video", a, k)
+    try:
+        yield
+    finally:
+        for name in ("get_image_features", "get_video_features"):
+            if name in saved:
+                setattr(model, name, saved[name])
+            else:
+                delattr(model, name)
 
 
 def carries_both(model, tower, arg):

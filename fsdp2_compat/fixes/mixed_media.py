@@ -242,7 +242,8 @@ def _forward(wrapped, instance, args, kwargs):
     # transformers 5.24+: features computed before the call (the tower ran elsewhere: nothing to align here)
     media = media or bool(arg("mm_encoder_outputs"))
     cache = next((arg(n) for n in ("past_key_values", "cache") if arg(n) is not None), None)  # "cache": 5.24+
-    if media and media_merge.carries_both(model, tower, arg) and not unknown_tower(model) and tower_is_sharded(_tower(model)):
+    both = media and media_merge.carries_both(model, tower, arg)
+    if both and not unknown_tower(model) and tower_is_sharded(_tower(model)):
         with media_merge.one_tower_call(model, arg):  # images and videos: one tower call, as on every rank
             return wrapped(*args, **kwargs)
     if media or _decoding(cache):

@@ -17,7 +17,8 @@ API::
     tieable(family)                 # also: tie_word_embeddings=True really ties its embeddings
     raw_read_removed(family)        # None, or why this transformers no longer reads it raw
     build(family, tie=False, seed=0)  # fp32 CPU model in train mode
-    make_batch(family, model, seed=..., batch_size=2, media=("image",))  # kwargs for model(**batch); videos: VIDEO_FAMILIES
+    make_batch(family, model, seed=..., batch_size=2, media=("image",))  # kwargs for model(**batch)
+    VIDEO_FAMILIES                  # families make_batch gives media=("video",) / ("image", "video")
 
 Families whose vision/audio tower reads an auxiliary embedding's ``.weight``
 directly in ``forward`` (the FSDP2 "mixed torch.Tensor and DTensor" class):
@@ -53,8 +54,8 @@ from . import recent
 from .batches import VIDEO_FAMILIES, make_batch
 from .configs import CLASSES, FAMILIES, tiny_config
 
-__all__ = ["FAMILIES", "CLASSES", "VIDEO_FAMILIES", "available", "wrappable", "tieable", "raw_read_removed", "build", "make_batch",
-           "tiny_config", "quiet"]
+__all__ = ["FAMILIES", "CLASSES", "VIDEO_FAMILIES", "available", "wrappable", "tieable", "raw_read_removed", "build",
+           "make_batch", "tiny_config", "quiet"]
 
 
 def available(family: str) -> bool | str:

@@ -146,9 +146,8 @@ def _with_videos(family, model, seed, batch_size, media):
     frames = 1 if family.startswith("qwen3") or family == "cosmos3_edge" else _VIDEO_FRAMES
     spans = {"image": [_VSTART] + [_IMG] * _IMAGE_TOKENS + [_VEND],
              "video": [_VSTART] + [_VID] * (_IMAGE_TOKENS * frames) + [_VEND]}
-    batch = {}
     input_ids, attn, labels = with_placeholders(gen, batch_size, 5, sum((spans[k] for k in media), []), 6)
-    batch.update(input_ids=input_ids, attention_mask=attn, labels=labels)
+    batch = {"input_ids": input_ids, "attention_mask": attn, "labels": labels}
     if "image" in media:
         batch["pixel_values"] = torch.randn(batch_size * _GRID * _GRID, width, generator=gen)
         batch["image_grid_thw"] = torch.tensor([[1, _GRID, _GRID]] * batch_size, dtype=torch.long)
