@@ -70,6 +70,9 @@ class _TargetState:
 
 
 _lock = _thread.RLock()
+# Per thread, inside ``apply()`` / ``revert()``: the alias rebinds waiting for their one scan of sys.modules, and
+# the outcomes to announce after it (``_Batch``).
+_batch = _thread._local()
 _states = {}  # target key -> _TargetState
 _requested = {}  # patch name -> strict level (config.STRICT_*)
 _replacements = {}  # id(replacement) -> target key, for "is this ours?"
@@ -162,10 +165,77 @@ def apply(names=None, strict=None):
                     state.hook = _make_hook(state)
                     state.outcome = Outcome(target, WAITING)
                     pending.append(state)
-    # Outside the lock: a hook may fire at once (module already imported).
-    for state in pending:
-        hooks.when_imported(state.target.module, state.hook)
+    # Outside the lock: a hook may fire at once (module already imported).  Every target that applies now
+    # rebinds its aliases in one scan of sys.modules, at the end.
+    with _Batch():
+        for state in pending:
+            hooks.when_imported(state.target.module, state.hook)
     return chosen
+
+
+class _Batch:
+    """Within it, alias rebinds wait and then run in one scan (``aliases.rebind_all``), and each settled
+    target is announced (logged; in strict mode, raised) after that scan, its detail naming where its aliases
+    were rebound.  Nested batches join the outermost one.  A scan of every loaded module costs 30-90 ms in a
+    training process, about the same for one object as for ten."""
+
+    def __enter__(self):
+        self._outer = getattr(_batch, "queue", None) is None
+        if self._outer:
+            _batch.queue, _batch.settled = [], []
+        return self
+
+    def __exit__(self, kind, exc, tb):
+        if not self._outer:
+            return False
+        from . import aliases
+
+        queue, settled = _batch.queue, _batch.settled
+        _batch.queue = _batch.settled = None
+        with _lock:
+            try:
+                for (_, _, _, changed, _), found in zip(queue, aliases.rebind_all([q[:3] for q in queue])):
+                    changed.extend(found)
+            except Exception as error:  # nothing was rebound: undo the targets that waited for it
+                _batch.queue = []  # their undo's own rebinds, tried once below
+                try:
+                    for *_, key in queue:
+                        state = _states.get(key)
+                        if key is None or state is None or state.applied is None:
+                            continue
+                        _undo(state.applied)
+                        state.applied = None
+                        state.outcome = Outcome(state.target, FAILED, state.outcome.found,
+                                                "%s: %s" % (type(error).__name__, error))
+                finally:
+                    backs, _batch.queue = _batch.queue, None
+                try:
+                    aliases.rebind_all([q[:3] for q in backs])
+                except Exception:  # the scan failed a moment ago; the seams' own globals are restored
+                    pass
+                if any(key is None for *_, key in queue):  # a revert's rebinds: revert() raises, as it did
+                    raise
+        strict_error = None
+        for state, outcome, patches, level in settled:
+            try:  # the state's outcome now: FAILED if the scan failed
+                _announce(state, state.outcome or outcome, patches, level)
+            except Fsdp2CompatError as error:
+                strict_error = strict_error or error
+        if strict_error is not None and exc is None:
+            raise strict_error
+        return False
+
+
+def _rebind(old, new, skip, changed, key=None):
+    """Rebind the aliases of ``old`` into ``changed``: now, or in the scan that ends the current ``_Batch``
+    (``key``: the target whose apply waits for it, undone if that scan fails; None for a revert's)."""
+    queue = getattr(_batch, "queue", None)
+    if queue is None:
+        from . import aliases
+
+        changed.extend(aliases.rebind_all([(old, new, skip)])[0])
+    else:
+        queue.append((old, new, skip, changed, key))
 
 
 def _make_hook(state):
@@ -180,13 +250,27 @@ def _make_hook(state):
             outcome = _settle(state, module, level)
             state.outcome = outcome
             patches = sorted(state.patches)
-        _report(outcome, patches)
-        if level is not None and outcome.kind in PROBLEMS:
-            raise Fsdp2CompatError(
-                "fsdp2-compat (strict): %s for %s: %s" % (outcome.kind, outcome.target.key, outcome.detail)
-            )
+        settled = getattr(_batch, "settled", None)
+        if settled is None:
+            _announce(state, outcome, patches, level)
+        else:  # after the batch's alias scan
+            settled.append((state, outcome, patches, level))
 
     return on_import
+
+
+def _announce(state, outcome, patches, level):
+    """Log a settled target (its detail completed with the aliases rebound); in strict mode raise a problem."""
+    applied = state.applied
+    if outcome.kind == APPLIED and applied is not None and outcome is state.outcome:
+        rebound = sorted({name for _, _, changed in applied.aliases for _, name, _ in changed})
+        if rebound:
+            outcome.detail += "; rebound aliases in " + ", ".join(rebound)
+    _report(outcome, patches)
+    if level is not None and outcome.kind in PROBLEMS:
+        raise Fsdp2CompatError(
+            "fsdp2-compat (strict): %s for %s: %s" % (outcome.kind, outcome.target.key, outcome.detail)
+        )
 
 
 def _report(outcome, patches=()):
@@ -240,10 +324,7 @@ def _settle(state, module, strict=None):
     except Exception as exc:  # a broken patch must not break the user's import
         return Outcome(target, FAILED, found, "%s: %s" % (type(exc).__name__, exc))
     state.applied = applied
-    rebound = sorted({name for _, _, changed in applied.aliases for _, name, _ in changed})
-    detail = "replaced %s.%s" % (target.module, ", ".join(a for a, _, _ in applied.swaps))
-    if rebound:
-        detail += "; rebound aliases in " + ", ".join(rebound)
+    detail = "replaced %s.%s" % (target.module, ", ".join(a for a, _, _ in applied.swaps))  # + aliases: _announce
     if verdict.detail:
         detail = verdict.detail + "; " + detail
     return Outcome(target, APPLIED, found, detail, proven=verdict.proven)
@@ -274,8 +355,6 @@ def _resolve(dotted):
 
 def _swap(target, module):
     """Install every replacement of one seam, all or nothing."""
-    from . import aliases
-
     replacements = _resolve(target.seam)(module, target.attr)
     if target.attr not in replacements:
         raise TypeError("seam %s did not replace %s" % (target.seam, target.attr))
@@ -294,8 +373,9 @@ def _swap(target, module):
         # same object as torch's everywhere else.
         for attr, old, new in applied.swaps:
             if attr == target.attr and "." not in attr:
-                changed = aliases.rebind(old, new, skip={(module.__name__, attr)})
+                changed = []
                 applied.aliases.append((old, new, changed))
+                _rebind(old, new, {(module.__name__, attr)}, changed, target.key)
     except BaseException:
         _undo(applied)
         raise
@@ -307,6 +387,10 @@ def _undo(applied):
     from . import aliases
 
     kept = []
+    queue = getattr(_batch, "queue", None)
+    if queue:  # rebinds of this seam still waiting for the batch's scan: never run them
+        mine = {id(changed) for _, _, changed in applied.aliases}
+        queue[:] = [q for q in queue if id(q[3]) not in mine]
     for attr, old, new in reversed(applied.swaps):
         if lookup(applied.module, attr) is new:
             _store(applied.module, attr, old)
@@ -317,7 +401,7 @@ def _undo(applied):
         kept += aliases.restore(changed, old, new)
         # Modules imported while the patch was on copied the replacement
         # (``from fsdp_utils import apply_fsdp2``): give them the original too.
-        aliases.rebind(new, old)
+        _rebind(new, old, (), [])
     applied.aliases.clear()
     applied.swaps.clear()
     return kept
@@ -332,7 +416,7 @@ def revert(names=None):
     """
     chosen = resolve_names(names) if names is not None else tuple(_requested)
     reverted = []
-    with _lock:
+    with _lock, _Batch():
         for name in chosen:
             _requested.pop(name, None)
         for key, state in list(_states.items()):

@@ -39,3 +39,9 @@ if sys.version_info >= (3, 12):
         importlib.import_module("skyrl.backends.skyrl_train.distributed.fsdp_utils")
     except Exception:
         pass
+
+# What the server imported lives as long as every rank: out of the collector's reach, a rank's collections
+# (verl's engine calls gc.collect() itself) walk only what the rank made, and fork's copy-on-write pages stay shared.
+import gc  # noqa: E402
+
+gc.freeze()

@@ -72,3 +72,44 @@ def test_restore_leaves_a_name_someone_else_rebound(modules):
     a.fn = theirs
     assert aliases.restore(changed, original, replacement) == ["f2c_alias_c.fn"]
     assert a.fn is theirs
+
+
+def test_one_scan_rebinds_several_objects_or_none(modules):
+    from fsdp2_compat.core import aliases
+
+    def other_original():
+        pass
+
+    def other_replacement():
+        pass
+
+    a = modules("f2c_alias_d", fn=Fn.original, other=other_original)
+    changed = aliases.rebind_all([(Fn.original, Fn.replacement, ()), (other_original, other_replacement, ())])
+    assert a.fn is Fn.replacement and a.other is other_replacement
+    assert [sorted(k for _, n, k in c if n == "f2c_alias_d") for c in changed] == [["fn"], ["other"]]
+    aliases.restore(changed[0], Fn.original, Fn.replacement)
+    aliases.restore(changed[1], other_original, other_replacement)
+    assert a.fn is Fn.original and a.other is other_original
+
+
+def test_packages_below_the_frameworks_are_not_read_unless_the_original_is_theirs(modules):
+    """A ``BELOW`` package (pygments here: no framework is imported by it) cannot hold an alias of a framework
+    function, so a scan skips it; a function of that package itself is rebound there too."""
+    from fsdp2_compat.core import aliases
+
+    assert "pygments" in aliases.BELOW and "transformers" not in aliases.BELOW
+    below = modules("pygments.f2c_alias_below", fn=Fn.original)
+    above = modules("f2c_alias_above", fn=Fn.original)
+    changed = aliases.rebind(Fn.original, Fn.replacement)
+    assert below.fn is Fn.original and above.fn is Fn.replacement
+    aliases.restore(changed, Fn.original, Fn.replacement)
+
+    def theirs():
+        pass
+
+    theirs.__module__ = "pygments.lexer"
+    below.fn = above.fn = theirs
+    changed = aliases.rebind(theirs, Fn.replacement)
+    assert below.fn is Fn.replacement and above.fn is Fn.replacement
+    aliases.restore(changed, theirs, Fn.replacement)
+    assert below.fn is theirs

@@ -285,7 +285,7 @@ def test_failure_midway_leaves_nothing_half_applied(toy, monkeypatch):
     def broken_rebind(*args, **kwargs):
         raise RuntimeError("simulated failure while rebinding")
 
-    monkeypatch.setattr(aliases, "rebind", broken_rebind)
+    monkeypatch.setattr(aliases, "rebind_all", broken_rebind)
     fsdp2_compat.apply("toy")
     outcome = outcome_of(toy.select)
     assert outcome.kind == engine.FAILED and "simulated failure" in outcome.detail

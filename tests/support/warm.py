@@ -39,6 +39,8 @@ for name in sys.argv[1:]:
     except Exception:
         pass
 base_path = list(sys.path)
+import gc
+gc.freeze()  # the preloaded modules outlive every child: its collections walk only what the child made
 
 
 def child(req):
