@@ -2,6 +2,7 @@
 (the scenario that needs a module will raise its own, readable error)."""
 
 import importlib
+import importlib.util
 import sys
 
 for _name in (
@@ -39,6 +40,40 @@ if sys.version_info >= (3, 12):
         importlib.import_module("skyrl.backends.skyrl_train.distributed.fsdp_utils")
     except Exception:
         pass
+
+# What every rank imports again otherwise: the tiny families' model classes (transformers imports each modeling
+# module on first use), verl's fused forwards (its monkey patch imports them per model), packaging's version
+# ranges (guards).  A patch still applies to them: the engine patches a module that is already imported.
+for _name in ("packaging.version", "packaging.specifiers", "verl.models.transformers.monkey_patch",
+              "verl.models.transformers.dense_common", "verl.models.transformers.qwen2_vl",
+              "verl.models.transformers.qwen3_vl", "verl.models.transformers.glm4v", "verl.models.transformers.llama",
+              "verl.models.transformers.qwen2", "verl.models.transformers.qwen3_5"):
+    try:
+        importlib.import_module(_name)
+    except Exception:
+        pass
+# verl < 0.9 names its device itself (cpu on this host): its training engine can be imported here.  verl >= 0.9
+# resolves a platform at that import, which tooling.engines selects in the rank first (engines/cpu.py).
+try:
+    from fsdp2_compat.tooling.engines.cpu import has_platform_registry as _has_platform_registry
+
+    if importlib.util.find_spec("verl") is not None and not _has_platform_registry():
+        importlib.import_module("verl.workers.engine.fsdp.transformer_impl")
+except Exception:
+    pass
+try:
+    import transformers as _transformers
+
+    from fsdp2_compat.tooling.tiny.configs import CLASSES as _CLASSES
+
+    for _classes in _CLASSES.values():
+        for _cls in _classes:
+            try:
+                getattr(_transformers, _cls)
+            except Exception:
+                pass
+except Exception:
+    pass
 
 # What the server imported lives as long as every rank: out of the collector's reach, a rank's collections
 # (verl's engine calls gc.collect() itself) walk only what the rank made, and fork's copy-on-write pages stay shared.

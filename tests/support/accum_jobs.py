@@ -21,7 +21,7 @@ process only, like the toy patches of ``tests/core/conftest.py``.
 
 import contextlib
 
-from fsdp2_compat.tooling.scenarios import first_line, full_value, fused_loss, train_against_reference
+from fsdp2_compat.tooling.scenarios import first_line, full_value, full_values, fused_loss, train_against_reference
 from fsdp2_compat.tooling.tiny.text import text_only  # noqa: F401  (used here and by the tests)
 
 STEPS = (("text", "image"), ("image", "text", "image"))  # micro-batch kinds of step 0 and step 1
@@ -341,8 +341,8 @@ def _one_case(rank, world, framework, family, fused, patches, policy, sync, step
 
     def snapshot(_out, _ref_out):
         after_backward()  # the step's last micro-batch (train_against_reference backpropagated it)
-        result["grads"].append({n: full_value(p.grad).detach().float().clone()
-                                for n, p in model.named_parameters() if p.grad is not None})
+        named = [(n, p) for n, p in model.named_parameters() if p.grad is not None]
+        result["grads"].append({n: g.float().clone() for (n, _), g in zip(named, full_values([p.grad for _, p in named]))})
 
     try:
         train_against_reference(model, reference, rank, world, result, batches_for, loss_of, len(steps),

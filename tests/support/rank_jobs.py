@@ -259,3 +259,26 @@ def one_rank_dies(rank, world, seconds):
         os._exit(3)
     time.sleep(seconds)
     return rank
+
+
+def gathered_both_ways(rank, world):
+    """``scenarios.full_values`` against ``full_tensor()`` one by one, on DTensors of every layout it meets:
+    uneven ``Shard(0)`` rows (a rank with none), two dtypes, a row vector, a ``Replicate`` DTensor, a plain
+    tensor and ``None``.  Returns ``(number of tensors, [indexes whose values differ])``."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from fsdp2_compat.tooling.scenarios import full_values
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)  # every rank builds the same full tensors
+    fulls = [torch.randn(5, 3), torch.randn(1, 4), torch.randn(7).to(torch.bfloat16), torch.randn(4, 2, 2),
+             torch.randn(3, 3)]
+    tensors = [distribute_tensor(t, mesh, [Shard(0)]) for t in fulls[:4]]
+    tensors += [distribute_tensor(fulls[4], mesh, [Replicate()]), torch.ones(2), None]
+    one_by_one = [t.full_tensor() if hasattr(t, "full_tensor") else t for t in tensors]
+    batched = full_values(tensors)
+    differ = [i for i, (a, b) in enumerate(zip(batched, one_by_one))
+              if (a is None) != (b is None) or (a is not None and (a.dtype != b.dtype or not torch.equal(a, b)))]
+    return len(tensors), differ

@@ -101,13 +101,14 @@ def compare(module, reference, result, key):
     ``_grad_err`` / ``_worst_grad`` (every parameter, by name), ``_lm_head_grad_err``
     and ``_grads_checked``; gradients are gathered from their shards.
     """
-    from fsdp2_compat.tooling.scenarios import full_value, rel_err
+    from fsdp2_compat.tooling.scenarios import full_values, rel_err
 
     ref = dict(reference.named_parameters())
     worst, name_worst, lm, checked = 0.0, None, 0.0, 0
-    for name, p in module.named_parameters():
+    named = list(module.named_parameters())
+    for (name, _), grad in zip(named, full_values([p.grad for _, p in named])):
         q = ref[name]
-        err = rel_err(full_value(p.grad), q.grad)
+        err = rel_err(grad, q.grad)
         checked += int(q.grad is not None)
         if name == "lm_head.weight":
             lm = err
@@ -121,10 +122,11 @@ def compare(module, reference, result, key):
 
 def param_err(module, reference):
     """Worst parameter error (sharded parameters gathered), by name."""
-    from fsdp2_compat.tooling.scenarios import full_value, rel_err
+    from fsdp2_compat.tooling.scenarios import full_values, rel_err
 
     ref = dict(reference.named_parameters())
-    return max((rel_err(full_value(p), ref[n]) for n, p in module.named_parameters()), default=0.0)
+    named = list(module.named_parameters())
+    return max((rel_err(f, ref[n]) for (n, _), f in zip(named, full_values([p for _, p in named]))), default=0.0)
 
 
 def units(model):
