@@ -86,6 +86,7 @@ def _no_leftover_patches():
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "depends_on(*dists): this test's DEPENDS_ON, overriding its module's")
+    config.addinivalue_line("markers", "wrappable(family): skip unless tiny.wrappable(family) (decided at setup)")
 
 
 def _matrix():
@@ -145,7 +146,8 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_runtest_setup(item):
-    """Fail a test whose ``xdist_group`` mark does not reach ``--dist loadgroup``'s scheduler.
+    """Skip a ``wrappable(family)`` test whose tiny family the stack cannot wrap, and fail a test whose
+    ``xdist_group`` mark does not reach ``--dist loadgroup``'s scheduler.
 
     The tests batch expensive rank runs per group (a module cache filled once,
     read by every test of the group): a silently ignored group runs each batch
@@ -153,6 +155,15 @@ def pytest_runtest_setup(item):
     (the group suffix xdist adds to a node id is not kept), hence the pins in
     ``.ci/install-set``.
     """
+    wrappable = item.get_closest_marker("wrappable")
+    if wrappable is not None:
+        # At setup, not at collection: building every family to decide costs seconds in each worker of each set,
+        # and most sets deselect the test anyway (the matrix).
+        from fsdp2_compat.tooling import tiny
+
+        reason = tiny.wrappable(wrappable.args[0])
+        if reason is not True:
+            pytest.skip(str(reason))
     if (getattr(item.config.option, "loadgroup", False) and item.get_closest_marker("xdist_group")
             and "@" not in item.nodeid):
         import xdist

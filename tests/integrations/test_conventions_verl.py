@@ -18,9 +18,12 @@ import pytest
 
 pytest.importorskip("torch", reason="needs torch (real FSDP2 on CPU gloo)")
 pytest.importorskip("transformers", reason="needs transformers (tiny models)")
-pytest.importorskip("verl", reason="needs verl (the code under test)")
 
 from fsdp2_compat.core import guards  # noqa: E402
+
+if guards.installed_version("verl") is None:  # (not importorskip: ``import verl`` costs seconds per worker)
+    pytest.skip("needs verl (the code under test)", allow_module_level=True)
+
 from fsdp2_compat.tooling.conventions import CONVENTIONS  # noqa: E402
 from fsdp2_compat.tooling.ranks import run_ranks  # noqa: E402
 from fsdp2_compat.tooling.scenarios import train_fused  # noqa: E402

@@ -56,8 +56,7 @@ SKYRL_FAMILIES = ("glm4v", "glm4v_moe", "qwen3_vl")
 
 
 def _family(family):
-    reason = tiny_models.wrappable(family)
-    return pytest.param(family, marks=pytest.mark.skipif(reason is not True, reason=str(reason)))
+    return pytest.param(family, marks=pytest.mark.wrappable(family))  # skips at setup unless tiny.wrappable
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +103,7 @@ PG_TIMEOUT = 20
 MISMATCH = "Received data size doesn't match expected size. Is there a distributed collective mismatch"
 
 
-@pytest.mark.skipif(tiny_models.wrappable(MIXED_FAMILY) is not True, reason=str(tiny_models.wrappable(MIXED_FAMILY)))
+@pytest.mark.wrappable(MIXED_FAMILY)
 def test_patched_strategy_trains_text_only_and_image_ranks_to_the_dp_average(model_dirs):
     patch = registry.for_model_type(MIXED_FAMILY).name
     results = run_ranks(skyrl_strategy.train_skyrl_strategy, 2, MIXED_FAMILY, model_dirs(MIXED_FAMILY), patch,
@@ -115,7 +114,7 @@ def test_patched_strategy_trains_text_only_and_image_ranks_to_the_dp_average(mod
     assert [r["dummy_forwards"] for r in results] == [per_step, per_step]
 
 
-@pytest.mark.skipif(tiny_models.wrappable(MIXED_FAMILY) is not True, reason=str(tiny_models.wrappable(MIXED_FAMILY)))
+@pytest.mark.wrappable(MIXED_FAMILY)
 def test_without_the_mixed_ranks_targets_a_text_only_rank_breaks_the_strategy_step(model_dirs):
     patches = [registry.for_model_type(MIXED_FAMILY).name] + ["-" + t.key for t in registry.MIXED_MEDIA]
     with tempfile.TemporaryDirectory(prefix="skyrl_mixed_") as tmp:

@@ -73,8 +73,7 @@ TOL = 1e-5
 
 
 def family_param(family):
-    reason = tiny_models.wrappable(family)
-    return pytest.param(family, marks=pytest.mark.skipif(reason is not True, reason=str(reason)))
+    return pytest.param(family, marks=pytest.mark.wrappable(family))  # skips at setup unless tiny.wrappable
 
 
 def skip_if_framework_refuses(framework, family):
