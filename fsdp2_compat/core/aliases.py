@@ -13,8 +13,8 @@ Cost: a training process holds thousands of modules (torch, transformers and
 a framework: ~3,400 modules, ~130,000 globals), and one scan of them takes
 30-90 ms on a 2-core machine; the tests' rank processes apply and revert
 patches hundreds of times.  So:
-- the packages every framework we patch is built on (``BELOW``: torch, numpy,
-  sympy, ...; two thirds of those globals) are not read: none of them imports
+- the standard library and the packages every framework we patch is built on
+  (``BELOW``: torch, numpy, sympy, ...; two thirds of those globals) are not read: none of them imports
   a framework, so none can hold an alias of a framework's function.  A package
   is read again when an original is its own (a torch function we replace);
 - ``rebind_all`` serves any number of objects in one scan (the engine rebinds
@@ -27,15 +27,22 @@ import sys
 import types
 
 # Top-level packages below every framework fsdp2-compat patches (verl, SkyRL, TRL, accelerate, AReaL,
-# LLaMA-Factory, transformers): they never import one, so their globals cannot alias its functions.  Not
-# transformers or peft (they import accelerate), not the frameworks, never user code.
-BELOW = frozenset((
-    "torch", "torchgen", "functorch", "numpy", "sympy", "mpmath", "networkx", "triton", "jinja2", "markupsafe",
-    "safetensors", "tokenizers", "huggingface_hub", "hf_xet", "yaml", "regex", "requests", "urllib3", "certifi",
-    "charset_normalizer", "idna", "filelock", "fsspec", "packaging", "tqdm", "rich", "pygments", "google",
-    "pyarrow", "pandas", "dateutil", "pytz", "psutil", "ray", "tensordict", "pydantic", "pydantic_core",
-    "typing_extensions", "_pytest", "pytest", "pluggy", "execnet", "xdist", "asyncio", "email", "http",
-    "json", "xml", "unittest", "multiprocessing", "concurrent", "importlib", "collections", "ctypes",
+# LLaMA-Factory, transformers): they never import one, so their globals cannot alias its functions.  The
+# standard library, and the third-party libraries these stacks load (torch's, transformers' and the frameworks'
+# own dependencies).  Not transformers or peft (they import accelerate), not a framework, never user code.
+BELOW = frozenset(sys.stdlib_module_names) | frozenset((
+    "torch", "torchgen", "functorch", "torchdata", "numpy", "sympy", "mpmath", "networkx", "triton", "jinja2",
+    "markupsafe", "safetensors", "tokenizers", "huggingface_hub", "hf_xet", "yaml", "regex", "requests", "urllib3",
+    "certifi", "charset_normalizer", "idna", "filelock", "fsspec", "packaging", "tqdm", "rich", "pygments",
+    "markdown_it", "mdurl", "google", "pyarrow", "pandas", "dateutil", "pytz", "tzdata", "psutil", "ray",
+    "tensordict", "pydantic", "pydantic_core", "typing_extensions", "typing_inspection", "annotated_types",
+    "datasets", "dill", "multiprocess", "xxhash", "scipy", "PIL", "numba", "llvmlite", "einops", "openai",
+    "aiohttp", "aiohappyeyeballs", "aiosignal", "aiofiles", "yarl", "multidict", "frozenlist", "propcache",
+    "httpx", "httpx2", "httpcore", "httpcore2", "h11", "anyio", "sniffio", "flask", "werkzeug", "itsdangerous",
+    "blinker", "click", "omegaconf", "hydra", "antlr4", "lark", "attr", "attrs", "jsonschema",
+    "jsonschema_specifications", "referencing", "rpds", "tenacity", "colorlog", "uvloop", "orjson", "msgpack",
+    "grpc", "cloudpickle", "websockets", "zmq", "setuptools", "pkg_resources", "_distutils_hack", "tabulate",
+    "distro", "jiter", "_pytest", "pytest", "pluggy", "iniconfig", "execnet", "xdist",
 ))
 
 

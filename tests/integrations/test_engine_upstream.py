@@ -223,7 +223,7 @@ def test_failure_midway_leaves_nothing_half_applied(monkeypatch):
     def broken_rebind(*args, **kwargs):
         raise RuntimeError("simulated failure while rebinding")
 
-    monkeypatch.setattr(aliases, "rebind", broken_rebind)
+    monkeypatch.setattr(aliases, "rebind_all", broken_rebind)  # the one scan every apply() ends with
     fsdp2_compat.apply("glm4v")  # must not raise: a broken patch never breaks imports
     [outcome] = [o for n, o in engine.outcomes(["glm4v"]) if o.target is target]
     assert outcome.kind == engine.FAILED and "simulated failure" in outcome.detail
