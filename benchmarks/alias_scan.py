@@ -13,7 +13,6 @@ the tests' rank processes do hundreds).
 """
 
 import argparse
-import importlib
 import os
 import statistics
 import sys
@@ -26,21 +25,12 @@ sys.path.insert(0, REPO)
 
 def _load_stack():
     """Import torch, transformers and every installed target module (what a training process has loaded)."""
-    from fsdp2_compat import registry
-    from fsdp2_compat.core import guards
-
     import torch  # noqa: F401
     import transformers.modeling_utils  # noqa: F401
 
-    loaded = []
-    for target in registry.targets():
-        if guards.installed_version(target.dist) and target.module not in loaded:
-            try:
-                importlib.import_module(target.module)
-                loaded.append(target.module)
-            except Exception:
-                pass
-    return loaded
+    from fsdp2_compat import registry
+
+    return registry.import_installed_targets()[0]
 
 
 def _globals(skip):

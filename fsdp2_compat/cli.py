@@ -23,17 +23,7 @@ def _cmd_status(args):
     errors = {}
     if not args.no_import:
         # Import each installed target module so its outcome is real, not "waiting".
-        from .core import guards
-
-        for target in registry.targets():
-            if target.key not in {t.key for n in chosen for t in registry.patch(n).targets}:
-                continue
-            if guards.installed_version(target.dist) is None or target.module in sys.modules:
-                continue
-            try:
-                __import__(target.module)
-            except Exception as exc:  # report, keep going: status must always print
-                errors[target.module] = "%s: %s" % (type(exc).__name__, exc)
+        _, errors = registry.import_installed_targets({t.key for n in chosen for t in registry.patch(n).targets})
     rows = status()
     from .activation.bootstrap import activation_summary
 

@@ -266,6 +266,33 @@ def targets():
     return out
 
 
+def import_installed_targets(keys=None):
+    """Import the module of every target (only ``keys``, when given) whose distribution is installed.
+
+    What ``status`` does so that each outcome is real, not "waiting".  Returns ``(modules imported,
+    {module: "Type: message"} for each that raised)``; never raises.
+    """
+    import sys
+
+    from .core import guards
+
+    imported, errors = [], {}
+    for target in targets():
+        if keys is not None and target.key not in keys:
+            continue
+        if guards.installed_version(target.dist) is None or target.module in errors:
+            continue
+        if target.module not in sys.modules:
+            try:
+                __import__(target.module)
+            except Exception as exc:  # reported, never raised: status must always print
+                errors[target.module] = "%s: %s" % (type(exc).__name__, exc)
+                continue
+        if target.module not in imported:
+            imported.append(target.module)
+    return imported, errors
+
+
 def for_model_type(model_type):
     """The patch listed for ``model_type`` (a transformers ``config.model_type``), or None.
 

@@ -18,18 +18,11 @@ DEPENDS_ON = ("torch", "transformers", "accelerate", "peft", "verl", "skyrl", "s
               "llamafactory")
 
 CODE = r'''
-import importlib, json, sys, types
+import json, sys, types
 from fsdp2_compat import registry
-from fsdp2_compat.core import aliases, guards
+from fsdp2_compat.core import aliases
 
-imported = []
-for target in registry.targets():
-    if guards.installed_version(target.dist) and target.module not in imported:
-        try:
-            importlib.import_module(target.module)
-            imported.append(target.module)
-        except Exception:
-            pass
+imported, _ = registry.import_installed_targets()
 ABOVE = ("verl", "skyrl", "skyrl_train", "trl", "accelerate", "areal", "llamafactory", "transformers", "peft")
 found = []
 for name, module in list(sys.modules.items()):
