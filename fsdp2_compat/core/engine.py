@@ -165,8 +165,7 @@ def apply(names=None, strict=None):
                     state.hook = _make_hook(state)
                     state.outcome = Outcome(target, WAITING)
                     pending.append(state)
-    # Outside the lock: a hook may fire at once (module already imported).  Every target that applies now
-    # rebinds its aliases in one scan of sys.modules, at the end.
+    # Outside the lock: a hook may fire at once (module already imported); one alias scan at the end.
     with _Batch():
         for state in pending:
             hooks.when_imported(state.target.module, state.hook)
@@ -174,47 +173,22 @@ def apply(names=None, strict=None):
 
 
 class _Batch:
-    """Within it, alias rebinds wait and then run in one scan (``aliases.rebind_all``), and each settled
-    target is announced (logged; in strict mode, raised) after that scan, its detail naming where its aliases
-    were rebound.  Nested batches join the outermost one.  A scan of every loaded module costs 30-90 ms in a
-    training process, about the same for one object as for ten."""
+    """Within it, alias rebinds wait for one scan (``aliases.rebind_all``: 30-90 ms in a training process, as
+    much for ten objects as for one); each settled target is announced (logged; in strict mode, raised) after
+    it, its detail naming where its aliases were rebound.  Nested batches join the outermost one."""
 
     def __enter__(self):
         self._outer = getattr(_batch, "queue", None) is None
         if self._outer:
             _batch.queue, _batch.settled = [], []
-        return self
 
     def __exit__(self, kind, exc, tb):
         if not self._outer:
             return False
-        from . import aliases
-
         queue, settled = _batch.queue, _batch.settled
         _batch.queue = _batch.settled = None
-        with _lock:
-            try:
-                for (_, _, _, changed, _), found in zip(queue, aliases.rebind_all([q[:3] for q in queue])):
-                    changed.extend(found)
-            except Exception as error:  # nothing was rebound: undo the targets that waited for it
-                _batch.queue = []  # their undo's own rebinds, tried once below
-                try:
-                    for *_, key in queue:
-                        state = _states.get(key)
-                        if key is None or state is None or state.applied is None:
-                            continue
-                        _undo(state.applied)
-                        state.applied = None
-                        state.outcome = Outcome(state.target, FAILED, state.outcome.found,
-                                                "%s: %s" % (type(error).__name__, error))
-                finally:
-                    backs, _batch.queue = _batch.queue, None
-                try:
-                    aliases.rebind_all([q[:3] for q in backs])
-                except Exception:  # the scan failed a moment ago; the seams' own globals are restored
-                    pass
-                if any(key is None for *_, key in queue):  # a revert's rebinds: revert() raises, as it did
-                    raise
+        if queue:  # (aliases is not imported otherwise: ``import fsdp2_compat.auto`` applies nothing to rebind)
+            _scan(queue)
         strict_error = None
         for state, outcome, patches, level in settled:
             try:  # the state's outcome now: FAILED if the scan failed
@@ -226,16 +200,44 @@ class _Batch:
         return False
 
 
+def _scan(queue):
+    """One ``aliases.rebind_all`` for a batch's queue; if it fails, undo every target that waited for it."""
+    from . import aliases
+
+    with _lock:
+        try:
+            for (_, _, _, changed, _), found in zip(queue, aliases.rebind_all([q[:3] for q in queue])):
+                changed.extend(found)
+        except Exception as error:  # nothing was rebound: undo the targets that waited for it
+            _batch.queue = []  # their undo's own rebinds, tried once below
+            try:
+                for *_, key in queue:
+                    state = _states.get(key)
+                    if key is None or state is None or state.applied is None:
+                        continue
+                    _undo(state.applied)
+                    state.applied = None
+                    state.outcome = Outcome(state.target, FAILED, state.outcome.found,
+                                            "%s: %s" % (type(error).__name__, error))
+            finally:
+                backs, _batch.queue = _batch.queue, None
+            try:  # (the scan failed a moment ago; the seams' own globals are restored either way)
+                aliases.rebind_all([q[:3] for q in backs])
+            except Exception:
+                pass
+            if any(key is None for *_, key in queue):  # a revert's rebinds: revert() raises, as it did
+                raise
+
+
 def _rebind(old, new, skip, changed, key=None):
     """Rebind the aliases of ``old`` into ``changed``: now, or in the scan that ends the current ``_Batch``
     (``key``: the target whose apply waits for it, undone if that scan fails; None for a revert's)."""
     queue = getattr(_batch, "queue", None)
-    if queue is None:
-        from . import aliases
+    if queue is not None:
+        return queue.append((old, new, skip, changed, key))
+    from . import aliases
 
-        changed.extend(aliases.rebind_all([(old, new, skip)])[0])
-    else:
-        queue.append((old, new, skip, changed, key))
+    changed.extend(aliases.rebind_all([(old, new, skip)])[0])
 
 
 def _make_hook(state):
@@ -261,9 +263,8 @@ def _make_hook(state):
 
 def _announce(state, outcome, patches, level):
     """Log a settled target (its detail completed with the aliases rebound); in strict mode raise a problem."""
-    applied = state.applied
-    if outcome.kind == APPLIED and applied is not None and outcome is state.outcome:
-        rebound = sorted({name for _, _, changed in applied.aliases for _, name, _ in changed})
+    if outcome.kind == APPLIED and state.applied is not None and outcome is state.outcome:
+        rebound = sorted({name for _, _, changed in state.applied.aliases for _, name, _ in changed})
         if rebound:
             outcome.detail += "; rebound aliases in " + ", ".join(rebound)
     _report(outcome, patches)
@@ -387,10 +388,9 @@ def _undo(applied):
     from . import aliases
 
     kept = []
-    queue = getattr(_batch, "queue", None)
-    if queue:  # rebinds of this seam still waiting for the batch's scan: never run them
-        mine = {id(changed) for _, _, changed in applied.aliases}
-        queue[:] = [q for q in queue if id(q[3]) not in mine]
+    mine = {id(changed) for _, _, changed in applied.aliases}  # its rebinds still waiting for a batch's scan
+    if getattr(_batch, "queue", None):  # never run them
+        _batch.queue[:] = [q for q in _batch.queue if id(q[3]) not in mine]
     for attr, old, new in reversed(applied.swaps):
         if lookup(applied.module, attr) is new:
             _store(applied.module, attr, old)
