@@ -53,9 +53,9 @@ def rebind_all(requests):
     changes per request, in order (each as ``rebind`` returns it).  The scan
     finds every alias before it changes one: if it raises, nothing changed.
     """
-    wanted = {}  # id(original) -> index of its request (the originals are alive: ids are stable)
+    wanted = {}  # id(original) -> indexes of its requests (the originals are alive: ids are stable)
     for index, (original, _, _) in enumerate(requests):
-        wanted.setdefault(id(original), index)
+        wanted.setdefault(id(original), []).append(index)
     ids = set(wanted)
     own = {(getattr(original, "__module__", None) or "").partition(".")[0] for original, _, _ in requests}
     below = BELOW - own
@@ -71,8 +71,10 @@ def rebind_all(requests):
         except RuntimeError:  # dict changed size: a module importing on another thread
             hits = [(key, value) for key, value in list(namespace.items()) if id(value) in ids]
         for key, value in hits:
-            index = wanted[id(value)]
-            if value is requests[index][0] and (name, key) not in requests[index][2]:
+            # the first request for this object that does not skip the name, as separate rebinds in order would
+            index = next((i for i in wanted[id(value)]
+                          if value is requests[i][0] and (name, key) not in requests[i][2]), None)
+            if index is not None:
                 found.append((index, namespace, name, key))
     changes = [[] for _ in requests]
     for index, namespace, name, key in found:

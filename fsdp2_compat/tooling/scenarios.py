@@ -133,10 +133,9 @@ def _gather_rows(out, indexes, torch, dist):
             out[i] = out[i].full_tensor().detach()
         return
     width = max(sum(s[r] for s in sizes) for r in range(world))
-    send = torch.zeros(width, dtype=locals_[0].dtype, device=locals_[0].device)
-    if locals_:
-        flat = torch.cat(locals_)
-        send[: flat.numel()] = flat
+    flat = torch.cat(locals_)
+    send = torch.zeros(width, dtype=flat.dtype, device=flat.device)
+    send[: flat.numel()] = flat
     gathered = torch.empty(world * width, dtype=send.dtype, device=send.device)
     dist.all_gather_into_tensor(gathered, send, group=mesh.get_group())
     parts = gathered.view(world, width)

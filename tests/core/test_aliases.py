@@ -90,6 +90,15 @@ def test_one_scan_rebinds_several_objects_or_none(modules):
     aliases.restore(changed[0], Fn.original, Fn.replacement)
     aliases.restore(changed[1], other_original, other_replacement)
     assert a.fn is Fn.original and a.other is other_original
+    # two requests for one object: as two rebinds in order, the second gets only the names the first skipped
+    seam = modules("f2c_alias_e", fn=other_original)
+    changed = aliases.rebind_all([(other_original, Fn.replacement, {("f2c_alias_e", "fn")}),
+                                  (other_original, other_replacement, ())])
+    assert a.other is Fn.replacement and seam.fn is other_replacement
+    assert [sorted((n, k) for _, n, k in c if n.startswith("f2c_alias")) for c in changed] == [
+        [("f2c_alias_d", "other")], [("f2c_alias_e", "fn")]]
+    aliases.restore(changed[0], other_original, Fn.replacement)
+    aliases.restore(changed[1], other_original, other_replacement)
 
 
 def test_packages_below_the_frameworks_are_not_read_unless_the_original_is_theirs(modules):
