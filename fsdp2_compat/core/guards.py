@@ -14,14 +14,38 @@ class NotNeeded(Exception):
     release that already does what the seam adapts); the message says why."""
 
 
+# dist -> installed version: what ``installed_version`` found (absent ones are not kept).
+_versions = {}
+
+
 def installed_version(dist):
-    """Version string of an installed distribution, or ``None``."""
+    """Version string of an installed distribution, or ``None``.
+
+    A release found is kept for the process: ``importlib.metadata`` scans
+    every path entry and parses the METADATA file (~3 ms a call), and
+    ``apply()`` asks for the release of every target it settles.  An absent
+    one is looked for again on every call, so a framework installed after
+    the process started (a notebook's ``pip install``) is seen; one upgraded
+    in place is not until ``forget_versions()`` (the fingerprint of its code
+    still decides whether a seam is touched).
+    """
+    try:
+        return _versions[dist]
+    except KeyError:
+        pass
     from importlib import metadata
 
     try:
-        return metadata.version(dist)
+        found = metadata.version(dist)
     except metadata.PackageNotFoundError:
         return None
+    _versions[dist] = found
+    return found
+
+
+def forget_versions():
+    """Read every distribution's version afresh on its next ``installed_version``."""
+    _versions.clear()
 
 
 def in_range(version, spec):
@@ -65,6 +89,15 @@ def fingerprint(obj):
 
     if _is_proxy(obj):
         raise LookupError("it is wrapped by %s, not the released function" % type(obj).__name__)
+    # One hash per compiled function: the code that runs cannot change under the same code object, and a
+    # rank forked from a server that fingerprinted its targets (tooling._preload) reads no file again.
+    try:
+        code = getattr(inspect.unwrap(obj), "__code__", None) if inspect.isfunction(obj) or inspect.ismethod(obj) else None
+    except ValueError:  # a __wrapped__ cycle: getsource below says so
+        code = None
+    cached = _fingerprints.get(id(code)) if code is not None else None
+    if cached is not None and cached[0] is code:
+        return cached[1]
     try:
         source = inspect.getsource(obj)
     except (OSError, TypeError) as exc:
@@ -72,9 +105,16 @@ def fingerprint(obj):
     except Exception as exc:  # tokenize / indentation errors: the file changed on disk since the import
         raise LookupError("its source cannot be read (%s: %s)" % (type(exc).__name__, exc)) from None
     try:
-        return fingerprint_source(source)
+        fp = fingerprint_source(source)
     except (SyntaxError, ValueError) as exc:  # a fragment inspect cut badly, a file edited on disk
         raise LookupError("its source does not parse (%s)" % exc) from None
+    if code is not None:
+        _fingerprints[id(code)] = (code, fp)  # the code object is kept: its id is never reused while cached
+    return fp
+
+
+# id(code object) -> (code object, fingerprint): ``fingerprint``'s memo (failures are never kept).
+_fingerprints = {}
 
 
 def fingerprint_source(source, name=None):

@@ -75,6 +75,34 @@ try:
 except Exception:
     pass
 
+# verl's engine picks its auto class by looking the config up in transformers' image-text-to-text mapping
+# (verl.utils.model.get_hf_auto_model_class), which imports the configuration module of every model type there:
+# ~1 s a rank otherwise.
+if importlib.util.find_spec("verl") is not None:
+    try:
+        import transformers as _transformers
+
+        _transformers.AutoModelForImageTextToText._model_mapping.keys()
+    except Exception:
+        pass
+
+# What apply() reads in every rank: the installed release of each target's distribution and the fingerprint
+# of each loaded target's code (core.guards memoizes both; a forked rank inherits the memo).
+try:
+    from fsdp2_compat import registry as _registry
+    from fsdp2_compat.core import calls as _calls, guards as _guards
+
+    for _target in _registry.targets():
+        _module = sys.modules.get(_target.module)
+        if _guards.installed_version(_target.dist) is None or _module is None:
+            continue
+        try:
+            _guards.fingerprint(_calls.lookup(_module, _target.attr))
+        except Exception:  # absent, unreadable: the rank's apply() says so itself
+            pass
+except Exception:
+    pass
+
 # What the server imported lives as long as every rank: out of the collector's reach, a rank's collections
 # (verl's engine calls gc.collect() itself) walk only what the rank made, and fork's copy-on-write pages stay shared.
 import gc  # noqa: E402

@@ -109,6 +109,69 @@ def test_source_that_no_longer_parses_is_unknown_code_not_a_crash(tmp_path, monk
         guards.fingerprint(f2c_guard_broken.f)
 
 
+def test_a_function_is_read_once_per_compiled_code_object(tmp_path, monkeypatch):
+    """The fingerprint belongs to the code that runs: an edit on disk after the import changes nothing
+    for the loaded function, and the same file compiled again is read again."""
+    import importlib
+    import linecache
+    import sys
+
+    path = tmp_path / "f2c_guard_memo.py"
+    path.write_text("def f():\n    return 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "f2c_guard_memo", raising=False)
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)  # the reload below compiles the edited file
+    import f2c_guard_memo
+
+    first = guards.fingerprint(f2c_guard_memo.f)
+    assert first == guards.fingerprint_source("def f():\n    return 1\n")
+    path.write_text("def f():\n    return 2\n")  # same size and line count: the loaded code is unchanged
+    linecache.checkcache(str(path))
+    assert guards.fingerprint(f2c_guard_memo.f) == first
+    reloaded = importlib.reload(f2c_guard_memo)
+    assert guards.fingerprint(reloaded.f) == guards.fingerprint_source("def f():\n    return 2\n") != first
+
+
+def test_an_unreadable_function_is_not_remembered_as_unreadable(tmp_path, monkeypatch):
+    import linecache
+    import sys
+
+    path = tmp_path / "f2c_guard_retry.py"
+    path.write_text("def f():\n    return 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "f2c_guard_retry", raising=False)
+    import f2c_guard_retry
+
+    path.write_text("def f(:\n")
+    linecache.checkcache(str(path))
+    with pytest.raises(LookupError):
+        guards.fingerprint(f2c_guard_retry.f)
+    path.write_text("def f():\n    return 1\n")  # put back: the next call reads it
+    linecache.checkcache(str(path))
+    assert guards.fingerprint(f2c_guard_retry.f) == guards.fingerprint_source("def f():\n    return 1\n")
+
+
+def test_a_found_release_is_read_once_per_process_until_forgotten(monkeypatch):
+    from importlib import metadata
+
+    calls = []
+    real = metadata.version
+    monkeypatch.setattr(metadata, "version", lambda dist: calls.append(dist) or real(dist))
+    guards.forget_versions()
+    try:
+        assert guards.installed_version("pytest") == guards.installed_version("pytest") == real("pytest")
+        assert calls == ["pytest"]
+        # An absent one is looked for again each time: it may be installed while the process runs.
+        assert guards.installed_version("f2c-no-such-distribution") is None
+        assert guards.installed_version("f2c-no-such-distribution") is None
+        assert calls == ["pytest"] + ["f2c-no-such-distribution"] * 2
+        guards.forget_versions()
+        guards.installed_version("pytest")
+        assert calls[-1] == "pytest" and len(calls) == 4
+    finally:
+        guards.forget_versions()
+
+
 @pytest.mark.parametrize("version, spec, ok", [
     ("0.9.1", ">=0.7.1,<=0.9.1", True),
     ("0.9.2", ">=0.7.1,<=0.9.1", False),
