@@ -87,6 +87,23 @@ def _no_leftover_patches():
 def pytest_configure(config):
     config.addinivalue_line("markers", "depends_on(*dists): this test's DEPENDS_ON, overriding its module's")
     config.addinivalue_line("markers", "wrappable(family): skip unless tiny.wrappable(family) (decided at setup)")
+    _share_rank_server(config)
+
+
+def _share_rank_server(config):
+    """Under xdist, pytest's controller starts the rank server every worker (and every child they start for
+    ``fsdp2-compat check``) forks its ranks from: one preload per run instead of one per process
+    (``fsdp2_compat.tooling.rank_server``).  It is started here, before the workers exist, so that they inherit
+    its address; it preloads in the background while they collect."""
+    import importlib.util
+
+    if hasattr(config, "workerinput") or not config.getoption("numprocesses", None):
+        return
+    if importlib.util.find_spec("torch") is None:
+        return  # no rank runs here (the bare set)
+    from fsdp2_compat.tooling import rank_server
+
+    rank_server.share()
 
 
 def _matrix():

@@ -41,10 +41,26 @@ if sys.version_info >= (3, 12):
     except Exception:
         pass
 
+# What apply() imports in every rank: the fixes its seams are built from.
+for _name in ("accumulation", "gather", "glm4v_forward", "inline_selection", "media_merge", "media_towers",
+              "mixed_media", "selection", "tail_unit"):
+    try:
+        importlib.import_module("fsdp2_compat.fixes." + _name)
+    except Exception:
+        pass
+# verl's training engine imports torch's distributed checkpointing (platform-neutral; the engine is not: see below).
+if importlib.util.find_spec("verl") is not None:
+    for _name in ("torch.distributed.checkpoint", "torch.distributed.elastic.agent.server.local_elastic_agent"):
+        try:
+            importlib.import_module(_name)
+        except Exception:
+            pass
+
 # What every rank imports again otherwise: the tiny families' model classes (transformers imports each modeling
 # module on first use), verl's fused forwards (its monkey patch imports them per model), packaging's version
 # ranges (guards).  A patch still applies to them: the engine patches a module that is already imported.
-for _name in ("packaging.version", "packaging.specifiers", "verl.models.transformers.monkey_patch",
+for _name in ("packaging.version", "packaging.specifiers", "wrapt", "fsdp2_compat.core.policy", "fsdp2_compat.core.aliases",
+              "fsdp2_compat.tooling.subset", "fsdp2_compat.tooling.engines.common", "verl.models.transformers.monkey_patch",
               "verl.models.transformers.dense_common", "verl.models.transformers.qwen2_vl",
               "verl.models.transformers.qwen3_vl", "verl.models.transformers.glm4v", "verl.models.transformers.llama",
               "verl.models.transformers.qwen2", "verl.models.transformers.qwen3_5"):

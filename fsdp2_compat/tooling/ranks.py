@@ -1,8 +1,9 @@
 """Run a function on N CPU ranks with a real gloo process group.
 
 ``run_ranks(fn, world, *args)`` forks ``world`` processes from a forkserver
-that has torch and transformers preloaded (so a rank starts in ~0.1 s instead
-of several seconds), rendezvouses them through a ``file://`` store (no ports),
+that has torch, transformers and the frameworks preloaded (so a rank starts
+in ~0.1 s instead of several seconds; ``rank_server``: shared by the
+processes of a test run), rendezvouses them through a ``file://`` store (no ports),
 calls ``fn(rank, world, *args)`` in each and returns the per-rank results.
 A failure on any rank raises ``RankError`` carrying every rank's traceback.
 
@@ -15,7 +16,6 @@ report and are then killed: they would only wait in a collective the dead rank
 never joins until the process group's timeout.
 """
 
-import multiprocessing
 import os
 import queue as queue_mod
 import sys
@@ -23,12 +23,7 @@ import tempfile
 import time
 import traceback
 
-# Imported once in the forkserver (which skips only ImportError, so the list
-# lives in a module that swallows any failure).  Patches still apply in the
-# ranks: the engine patches modules that are already imported.
-PRELOAD = ["fsdp2_compat.tooling._preload"]
-
-_context = None
+from . import rank_server
 
 
 class RankError(RuntimeError):
@@ -39,14 +34,6 @@ class RankError(RuntimeError):
         first = min(errors)
         others = "".join("\nrank %d: %s" % (r, errors[r][0]) for r in sorted(errors) if r != first)
         super().__init__("rank %d failed: %s%s\n%s" % (first, errors[first][0], others, errors[first][1]))
-
-
-def _get_context():
-    global _context
-    if _context is None:
-        _context = multiprocessing.get_context("forkserver")
-        _context.set_forkserver_preload(PRELOAD)
-    return _context
 
 
 def _rank_main(fn, rank, world, init_file, args, kwargs, results, pg_timeout=120):
@@ -101,7 +88,7 @@ def run_ranks(fn, world, *args, kwargs=None, timeout=300, retries=1, pg_timeout=
 
 
 def _run_once(fn, world, args, kwargs, timeout, pg_timeout=120):
-    ctx = _get_context()
+    ctx = rank_server.context()
     with tempfile.TemporaryDirectory(prefix="fsdp2_compat_ranks_") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         results = ctx.Queue()

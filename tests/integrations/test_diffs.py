@@ -29,6 +29,7 @@ import pytest
 from fsdp2_compat import integrations, registry
 from fsdp2_compat.core import engine, guards
 from fsdp2_compat.integrations import trl as trl_integration
+from fsdp2_compat.tooling import rank_server
 from fsdp2_compat.tooling.scenarios import tie_flag_refusal
 from support import diffs, releases
 from support import oracle as oracle_jobs
@@ -311,7 +312,9 @@ def oracle(tmp_path_factory):
                              exact=not files & patched_files)
             patched_files |= files
     env = dict(os.environ)
-    for key in ("FSDP2_COMPAT_PATCHES", "FSDP2_COMPAT_STRICT"):
+    # rank_server.ENV too: the source side's ranks must import the patched tree, not fork from a server
+    # that preloaded the installed packages.
+    for key in ("FSDP2_COMPAT_PATCHES", "FSDP2_COMPAT_STRICT", rank_server.ENV):
         env.pop(key, None)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (tree, REPO, os.path.join(REPO, "tests"), os.environ.get("PYTHONPATH")) if p)
     code = "from support.oracle import jobs_main; jobs_main()"
