@@ -152,8 +152,6 @@ def _framework_results(framework, family):
 
 
 def _framework_params():
-    from fsdp2_compat.tooling import tiny
-
     out = []
     wrappers = [(i.dist, None if guards.installed_version(i.dist) else "%s not in this pinned set" % i.dist)
                 for i in integrations.wrapping()]
@@ -162,12 +160,10 @@ def _framework_params():
                      "is proven as TRL's trainers use it)"))
     for framework, missing in wrappers:
         for family in FAMILIES:
-            reason = missing
-            if reason is None and tiny.wrappable(family) is not True:
-                reason = str(tiny.wrappable(family))
-            marks = [pytest.mark.xdist_group("accum-%s-%s" % (framework, family))]  # one run serves them all
-            if reason:
-                marks.append(pytest.mark.skip(reason=reason))
+            # one run serves them all; tiny.wrappable (it builds the model) is decided at setup, not collection
+            marks = [pytest.mark.xdist_group("accum-%s-%s" % (framework, family)), pytest.mark.wrappable(family)]
+            if missing:
+                marks.append(pytest.mark.skip(reason=missing))
             out.append(pytest.param(framework, family, marks=marks, id="%s-%s" % (framework, family)))
     return out
 
@@ -265,16 +261,12 @@ def _fused_param(family, patch, steps, needs):
     if VERL is None or not guards.in_range(VERL, needs):
         reason = "needs verl %s (its %s fused forward)" % (needs, family)
     else:
-        import transformers
+        from fsdp2_compat.tooling import tiny
 
-        cls = "Qwen3_5ForConditionalGeneration" if family == "qwen3_5" else None
-        if cls and not hasattr(transformers, cls):
-            reason = "transformers %s has no %s" % (transformers.__version__, cls)
-        elif family != "qwen3_5":
-            from fsdp2_compat.tooling import tiny
-
-            if tiny.available(family) is not True:
-                reason = str(tiny.available(family))
+        if family == "qwen3_5" and not tiny.exports("Qwen3_5ForConditionalGeneration"):
+            reason = "transformers %s has no Qwen3_5ForConditionalGeneration" % guards.installed_version("transformers")
+        elif family != "qwen3_5" and tiny.available(family) is not True:
+            reason = str(tiny.available(family))
     marks = [pytest.mark.xdist_group("accum-fused-%s" % family)]
     if reason:
         marks.append(pytest.mark.skip(reason=reason))

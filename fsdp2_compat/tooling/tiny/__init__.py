@@ -54,8 +54,17 @@ from . import recent
 from .batches import VIDEO_FAMILIES, make_batch
 from .configs import CLASSES, FAMILIES, tiny_config
 
-__all__ = ["FAMILIES", "CLASSES", "VIDEO_FAMILIES", "available", "wrappable", "tieable", "raw_read_removed", "build",
+__all__ = ["FAMILIES", "CLASSES", "VIDEO_FAMILIES", "available", "exports", "wrappable", "tieable", "raw_read_removed", "build",
            "make_batch", "tiny_config", "quiet"]
+
+
+def exports(name: str) -> bool:
+    """Whether the installed transformers exports ``name``, read from its lazy module's table when it has one:
+    the attribute itself imports the modeling module (and torch._dynamo with it: seconds, at a test's collection)."""
+    import transformers
+
+    table = getattr(transformers, "_class_to_module", None)
+    return (isinstance(table, dict) and name in table) or hasattr(transformers, name)
 
 
 def available(family: str) -> bool | str:
@@ -65,7 +74,7 @@ def available(family: str) -> bool | str:
     import transformers
 
     model_cls, config_cls = CLASSES[family]
-    missing = [n for n in (model_cls, config_cls) if not hasattr(transformers, n)]
+    missing = [n for n in (model_cls, config_cls) if not exports(n)]
     if missing:
         return f"transformers {transformers.__version__} has no {' / '.join(missing)}"
     if family in recent.MIN_TRANSFORMERS:
