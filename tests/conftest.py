@@ -161,7 +161,6 @@ def pytest_collection_modifyitems(config, items):
         raise pytest.UsageError("FSDP2_CI_ORDER=%s: use forward, reverse or random:SEED" % order)
 
 
-
 def pytest_runtest_setup(item):
     """Skip a ``wrappable(family)`` test whose tiny family the stack cannot wrap, and fail a test whose
     ``xdist_group`` mark does not reach ``--dist loadgroup``'s scheduler.

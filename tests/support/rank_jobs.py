@@ -282,11 +282,3 @@ def gathered_both_ways(rank, world):
     differ = [i for i, (a, b) in enumerate(zip(batched, one_by_one))
               if (a is None) != (b is None) or (a is not None and (a.dtype != b.dtype or not torch.equal(a, b)))]
     return len(tensors), differ
-
-
-def server_of(rank, world):
-    """The pid of the process this rank was forked from (its rank server), and a line on its stdout."""
-    import os
-
-    print("rank %d of %d speaks" % (rank, world), flush=True)
-    return os.getppid()

@@ -35,16 +35,17 @@ def test_full_values_gathers_what_full_tensor_gathers_in_one_collective(world):
     assert results == [(7, [])] * world, results
 
 
-# A sharer and two clients (rank_server): fresh interpreters, the server preloading torch only (~3 s of CPU).
+# A sharer and three clients (rank_server), fresh interpreters that never import torch themselves: each
+# server preloads torch only (~3 s of CPU), the sharer's and that of the client not given the address.
 SHARER = r"""
 import json, os, subprocess, sys
 from fsdp2_compat.tooling import rank_server
 
 rank_server.PRELOAD[:] = ["torch"]
 address = rank_server.share()
-client = "from fsdp2_compat.tooling.ranks import run_ranks; from support import rank_jobs; " \
-         "from fsdp2_compat.tooling import rank_server; " \
-         "print('RESULT', run_ranks(rank_jobs.server_of, 1, timeout=120)[0], rank_server._joined, flush=True)"
+client = "from fsdp2_compat.tooling import rank_server; rank_server.PRELOAD[:] = ['torch']; " \
+         "from fsdp2_compat.tooling.ranks import run_ranks; from support import server_jobs; " \
+         "print('RESULT', run_ranks(server_jobs.server_of, 1, timeout=120)[0], rank_server._joined, flush=True)"
 without = {k: v for k, v in os.environ.items() if k != rank_server.ENV}
 runs = [subprocess.run([sys.executable, "-c", client], env=env, capture_output=True, text=True, timeout=150)
         for env in (os.environ, os.environ, without)]
