@@ -101,7 +101,7 @@ PATCHES = (
         "`lm_head` gradient** from plain `full_tensor()` (0.9.x), and with a bf16 policy a dtype-mismatch crash",
         model_types={"qwen3_vl": "Qwen3-VL", "qwen3_vl_moe": "Qwen3-VL-MoE"},
         targets=(verl.QWEN3_VL_FUSED + TRL + ACCELERATE + LF_LAYER_LOOKUP + GRAD_ACCUMULATION
-                 + transformers_media.QWEN3_VL),
+                 + transformers_media.QWEN3_VL + verl.QWEN3_VL_FORWARD),
         references=_LM_HEAD_REFS + _ACC_REFS + _LF_REFS + _ACCUM_REFS + _MIXED_REFS,
         delete_when=(_LM_HEAD_DELETE + "; and " + _TRL_DELETE + "; and " + _ACC_DELETE + "; and " + _LF_DELETE + "; and "
                      + _ACCUM_DELETE + "; and " + _MIXED_DELETE),

@@ -25,9 +25,9 @@ under it, so that forward runs as released only on transformers
 Seams (``wrapt.FunctionWrapper`` around verl's functions; the rest of verl's
 forward runs as released):
 
-- ``vision_output_seam`` (``_get_input_embeds``; also serves verl's Qwen2-VL
-  ``_get_input_embeds``, whose text-only dummy branch has the same ``.mean()``
-  on the output object: ``verl.QWEN2_VL_FORWARD``): for the duration of the
+- ``vision_output_seam`` (``_get_input_embeds``; its rule also serves verl's
+  Qwen2-VL ``_get_input_embeds``, whose text-only dummy branch has the same
+  ``.mean()`` on the output object: ``fixes.verl_media``): for the duration of the
   call, a forward hook on ``model.visual`` hands verl the output's
   ``pooler_output`` whenever the vision tower returns an object that has one:
   ``unpack_visual_output``'s rule.  It covers the image, video and text-only

@@ -139,25 +139,44 @@ GLM4V_FORWARD = (
     ),
 )
 
-# verl's Qwen2-VL / Qwen2.5-VL forward (``verl/models/transformers/qwen2_vl.py``, installed by
-# ``apply_monkey_patch`` on both families, fused kernels or not) runs its own dummy vision forward
-# on a text-only micro-batch ("handle mixed text-image data", 0.6.0+), but calls ``.mean()`` on
-# what ``model.visual`` returns: from transformers 5.0.0 a ``BaseModelOutputWithPooling``, so every
-# text-only micro-batch raises ``AttributeError: 'BaseModelOutputWithPooling' object has no
-# attribute 'mean'`` (its image branch unpacks the object; the dummy branch does not).  The GLM4V
-# seam's rule fixes it: during the call ``model.visual`` hands verl its ``pooler_output``
-# (``unpack_visual_output`` takes a tensor as well).  "not needed" below transformers 5.0.0.
+# verl's own Qwen-VL forwards (``verl/models/transformers/qwen2_vl.py`` / ``qwen3_vl.py``, installed by
+# ``apply_monkey_patch`` on Qwen2-VL, Qwen2.5-VL and Qwen3-VL(-MoE), fused kernels or not, 0.6.0+) call
+# ``model.visual`` in ``_get_input_embeds``: once for the images and again for the videos, so a rank with
+# both kinds runs every vision unit's collectives twice where a rank with one kind runs them once (a hang;
+# ``fsdp2_compat.fixes.verl_media`` runs the tower once).  The Qwen2-VL copy's text-only dummy also calls
+# ``.mean()`` on what the tower returns: from transformers 5.0.0 a ``BaseModelOutputWithPooling``, so every
+# text-only micro-batch raises ``AttributeError: 'BaseModelOutputWithPooling' object has no attribute
+# 'mean'``; the same seam hands verl the ``pooler_output`` there (``glm4v_forward``'s rule).  Before 0.6.0
+# verl left the vision tower to transformers' forward (the mixed-ranks targets cover it).
+_BOTH_KINDS = ("verl's own Qwen-VL forwards (0.6.0+): a micro-batch with an image and a video runs the vision tower "
+               "twice, a rank with one kind once: FSDP2's collectives differ, NCCL **hangs**, gloo aborts")
+_NO_INPUT_EMBEDS = "no _get_input_embeds: verl's Qwen-VL forwards leave the vision tower to transformers' forward " \
+                   "(covered by the mixed-ranks target)"
 QWEN2_VL_FORWARD = (
     Target(
         dist="verl",
         module="verl.models.transformers.qwen2_vl",
         attr="_get_input_embeds",
-        versions="==0.9.1",
+        versions=">=0.7.0,<=0.9.1",
         fingerprints={"0.6.0-0.7.1": "bd15d2383d6b4d3b", "0.8.0.dev0-0.9.1": "b57eda559ec1a29a"},
-        seam="fsdp2_compat.fixes.glm4v_forward:vision_output_seam",
-        what="Qwen2-VL forward (text-only dummy vision output, transformers >= 5.0.0)",
-        declared={"<0.6.0": "no _get_input_embeds: verl's Qwen2-VL forwards leave the vision tower to transformers' "
-                            "forward (covered by the mixed-ranks target)"},
+        seam="fsdp2_compat.fixes.verl_media:qwen2_vl_seam",
+        what="Qwen2-VL forward (images and videos: one tower call; transformers >= 5.0.0: the text-only "
+             "dummy's vision output)",
+        declared={"<0.6.0": _NO_INPUT_EMBEDS},
+        symptom=_BOTH_KINDS,
+    ),
+)
+QWEN3_VL_FORWARD = (
+    Target(
+        dist="verl",
+        module="verl.models.transformers.qwen3_vl",
+        attr="_get_input_embeds",
+        versions=">=0.7.0,<=0.9.1",
+        fingerprints={"0.6.0-0.7.1": "bb55f0bd8adf8d38", "0.8.0.dev0-0.9.1": "c9f220af46137281"},
+        seam="fsdp2_compat.fixes.verl_media:qwen3_vl_seam",
+        what="Qwen3-VL forward (images and videos: one tower call)",
+        declared={"<0.6.0": "no verl.models.transformers.qwen3_vl module"},
+        symptom=_BOTH_KINDS,
     ),
 )
 

@@ -321,6 +321,7 @@ def test_status_shows_qwen3vl_applied_on_the_installed_verl(warm_python):
     assert {r["attr"]: r["outcome"] for r in rows if r["dist"] == "verl"} == {
         "forward_with_torch_backend": engine.APPLIED,
         "forward_with_triton_backend": engine.APPLIED,
+        "_get_input_embeds": engine.APPLIED,  # images and videos in one micro-batch: one tower call
     }
     # and torch FSDP2's gradient-accumulation fix, which every multimodal patch carries
     assert {r["attr"]: r["outcome"] for r in rows if r["dist"] == "torch"} == {

@@ -34,7 +34,9 @@ from fsdp2_compat.fixes import glm4v_forward  # noqa: E402
 from fsdp2_compat.integrations import verl as verl_targets  # noqa: E402
 from fsdp2_compat.tooling import tiny as tiny_models  # noqa: E402
 from fsdp2_compat.tooling.engines import FAMILIES, common, verl_engine  # noqa: E402
+from fsdp2_compat.tooling.mixed import gloo_error  # noqa: E402
 from fsdp2_compat.tooling.ranks import RankError, run_ranks  # noqa: E402
+from support import mixed_jobs  # noqa: E402
 
 # The releases this module's outcome depends on: .ci/test runs it once per distinct set of them (.ci/matrix.py).
 DEPENDS_ON = ("torch", "transformers", "verl")
@@ -205,15 +207,21 @@ def test_bf16_policy_trains_close_to_the_fp32_reference(model_dirs, family, mode
 MIXED_PG_TIMEOUT = 60  # a mismatch (a verl forward that skipped the tower) fails in a minute, never hangs
 QWEN2_VL_DUMMY = verl_targets.QWEN2_VL_FORWARD[0].key  # verl's own text-only dummy, fixed for transformers >= 5
 DUMMY_FAILURE = "step 0: AttributeError: 'BaseModelOutputWithPooling' object has no attribute 'mean'"
+# Step 0: rank 0 an image and a video per sample, rank 1 an image; step 1 the reverse.
+BOTH_KINDS = (("image", "video"), ("image",))
 
 
-def _run_mixed(model_dirs, family, patches):
+def _run_mixed(model_dirs, family, patches, **kwargs):
     try:
-        return run_ranks(verl_engine.train_verl_engine, 2, family, model_dirs(family), patches,
-                         kwargs={"mixed": True}, timeout=MIXED_PG_TIMEOUT + 240, retries=0,
-                         pg_timeout=MIXED_PG_TIMEOUT)
+        return _run_mixed_or_raise(model_dirs, family, patches, **kwargs)
     except RankError as exc:
-        pytest.fail("a text-only rank beside an image rank broke verl's engine: %s" % str(exc).splitlines()[0])
+        pytest.fail("a rank's mixed media broke verl's engine: %s" % str(exc).splitlines()[0])
+
+
+def _run_mixed_or_raise(model_dirs, family, patches, **kwargs):
+    return run_ranks(verl_engine.train_verl_engine, 2, family, model_dirs(family), patches,
+                     kwargs=kwargs or {"mixed": True}, timeout=MIXED_PG_TIMEOUT + 240, retries=0,
+                     pg_timeout=MIXED_PG_TIMEOUT)
 
 
 @pytest.mark.skipif(tiny_models.wrappable("qwen2_5_vl") is not True, reason=str(tiny_models.wrappable("qwen2_5_vl")))
@@ -222,19 +230,48 @@ def test_mixed_text_and_image_ranks_on_verls_own_forward_need_only_its_dummy_fix
 
     Step 0: rank 1 text-only, step 1: rank 0.  Patched, both steps match the DP reference and
     fsdp2-compat's own dummy never runs (verl's forward replaced the wrapped one).  Unpatched, the same
-    run is exact where verl's dummy works as released (transformers 4.x, 5.0.0rc: status "not needed"),
-    and where it calls ``.mean()`` on transformers 5's vision output the text-only rank raises that
-    (status "applied": the qwen2vl patch's verl target fixes it).  No release hangs.
+    run is exact where verl's dummy works as released (transformers 4.x, 5.0.0rc), and where it calls
+    ``.mean()`` on transformers 5's vision output the text-only rank raises that (the qwen2vl patch's
+    verl target fixes it).  No release hangs.
     """
     patched = _run_mixed(model_dirs, "qwen2_5_vl", "qwen2vl")
     _assert_matches(patched)
     assert [r["dummy_forwards"] for r in patched] == [0, 0]  # verl's forward replaced ours: no second dummy
-    outcome = patched[0]["activation"]["outcomes"][QWEN2_VL_DUMMY]
+    assert patched[0]["activation"]["outcomes"][QWEN2_VL_DUMMY] == "applied"
     unpatched = _run_mixed(model_dirs, "qwen2_5_vl", None)
-    if outcome == "applied":
+    if guards.in_range(TRANSFORMERS, glm4v_forward.VISION_OUTPUT_OBJECT):
         text = common.text_only_rank(0, 2)  # the text-only rank of step 0
         assert unpatched[text]["error"] == DUMMY_FAILURE, unpatched[text]["error"]
         assert unpatched[1 - text]["error"] is not None  # its peer: the collective it was in broke
     else:
-        assert outcome == "not needed", outcome
         _assert_matches(unpatched)
+
+
+VERL_FORWARD_PATCH = {"qwen2_5_vl": "qwen2vl", "qwen3_vl": "qwen3vl"}
+
+
+@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.wrappable(f)) for f in VERL_FORWARD_PATCH])
+def test_images_and_videos_on_one_rank_through_verls_own_forward_train_to_the_dp_average(model_dirs, family):
+    """verl's ``_get_input_embeds`` calls the tower once per kind; patched it runs once per micro-batch.
+
+    Rank 0's samples carry an image and a video each on step 0, rank 1's an image (step 1: the reverse),
+    two micro-batches per rank and step with the gradient sync deferred (``forward_backward_batch``), then
+    ``train_batch``.  Patched, every loss, gradient and parameter matches the DP reference, and each rank
+    merged exactly its two both-kinds micro-batches.
+    """
+    patched = _run_mixed(model_dirs, family, VERL_FORWARD_PATCH[family], kinds=BOTH_KINDS)
+    _assert_matches(patched)
+    assert [r["merged_forwards"] for r in patched] == [2, 2], patched
+    assert [r["dummy_forwards"] for r in patched] == [0, 0]
+    assert patched[0]["losses"] != patched[1]["losses"], "same data on both ranks"
+
+
+@pytest.mark.wrappable("qwen2_5_vl")
+def test_unpatched_images_and_videos_on_one_rank_break_verls_vision_collectives(model_dirs, tmp_path):
+    """As released, the rank with both kinds all-gathers the vision units twice: gloo aborts the step
+    (from a C++ thread, SIGABRT: what it printed is read from the ranks' stderr files)."""
+    with pytest.raises(RankError):
+        run_ranks(mixed_jobs.verl_engine_with_stderr_file, 2, str(tmp_path), "qwen2_5_vl", model_dirs("qwen2_5_vl"),
+                  None, kwargs={"kinds": BOTH_KINDS}, timeout=MIXED_PG_TIMEOUT + 240, retries=0,
+                  pg_timeout=MIXED_PG_TIMEOUT)
+    assert gloo_error(str(tmp_path), 2) is not None, [p.read_text()[-2000:] for p in tmp_path.glob("rank*.err")]

@@ -150,3 +150,12 @@ def strategy_with_stderr_file(rank, world, directory, *args, **kwargs):
 
     stderr_to_file(directory, rank)
     return skyrl_strategy.train_skyrl_strategy(rank, world, *args, **kwargs)
+
+
+def verl_engine_with_stderr_file(rank, world, directory, *args, **kwargs):
+    """``verl_engine.train_verl_engine(rank, world, *args)`` with this rank's fd 2 in ``directory/rank<N>.err``."""
+    from fsdp2_compat.tooling.engines import verl_engine
+    from fsdp2_compat.tooling.mixed import stderr_to_file
+
+    stderr_to_file(directory, rank)
+    return verl_engine.train_verl_engine(rank, world, *args, **kwargs)

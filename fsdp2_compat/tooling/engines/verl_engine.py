@@ -91,18 +91,18 @@ def _position_ids(model, batch):
     return torch.cat([text.unsqueeze(0), rope], 0)
 
 
-def make_samples(family, model, seed, text=False):
+def make_samples(family, model, seed, text=False, media=("image",)):
     """Per-sample dicts for verl's ``SFTTensorCollator``; odd samples are two tokens shorter.
 
     ``text``: without their images (``tiny.text.text_only``: the text-only samples of a mixed dataset,
-    same lengths and loss masks).
+    same lengths and loss masks).  ``media``: the kinds each sample carries (``tiny.make_batch``).
     """
     import torch
 
     from fsdp2_compat.tooling import tiny
     from fsdp2_compat.tooling.tiny.text import text_only
 
-    batch = tiny.make_batch(family, model, seed=seed, batch_size=SAMPLES_PER_RANK)
+    batch = tiny.make_batch(family, model, seed=seed, batch_size=SAMPLES_PER_RANK, media=media)
     labels = batch.pop("labels", None)
     if text:
         batch = text_only(batch, seed=seed)
@@ -112,9 +112,9 @@ def make_samples(family, model, seed, text=False):
     for i, length in enumerate(lengths):
         batch["attention_mask"][i, length:] = 0
     pos = _position_ids(model, batch)
-    # The prompt: 5 text tokens and the image span (tiny.make_batch's layout; labels mask the span).
+    # The prompt: 5 text tokens and the media spans (tiny.make_batch's layout; labels mask the spans).
     prompt = 5 + (int((labels[0] == -100).sum()) if labels is not None else 0)
-    per_image = batch["pixel_values"].shape[0] // SAMPLES_PER_RANK if "pixel_values" in batch else 0
+    rows = {k: batch[k].shape[0] // SAMPLES_PER_RANK for k in ("pixel_values", "pixel_values_videos") if k in batch}
     samples = []
     for i, length in enumerate(lengths):
         loss_mask = torch.zeros(length, dtype=torch.long)
@@ -124,11 +124,10 @@ def make_samples(family, model, seed, text=False):
             "loss_mask": loss_mask,
             "position_ids": (pos[:, i, :length] if pos.dim() == 3 else pos[i, :length]).clone(),
         }
-        if per_image:
-            sample["multi_modal_inputs"] = {
-                "pixel_values": batch["pixel_values"][i * per_image:(i + 1) * per_image].clone(),
-                "image_grid_thw": batch["image_grid_thw"][i:i + 1].clone(),
-            }
+        for pixels, n in rows.items():
+            grid = "image_grid_thw" if pixels == "pixel_values" else "video_grid_thw"
+            sample.setdefault("multi_modal_inputs", {}).update({
+                pixels: batch[pixels][i * n:(i + 1) * n].clone(), grid: batch[grid][i:i + 1].clone()})
         samples.append(sample)
     return samples
 
@@ -167,7 +166,7 @@ def reference_loss(model, samples, fused, autocast=None):
 
     tokens = sum(int(s["loss_mask"].sum()) for s in samples)
     terms = []
-    for _, run in itertools.groupby(samples, key=lambda s: "multi_modal_inputs" in s):
+    for _, run in itertools.groupby(samples, key=lambda s: sorted(s.get("multi_modal_inputs", ()))):
         terms += _reference_terms(model, list(run), fused, autocast, tokens)
     return sum(terms), terms
 
@@ -242,24 +241,28 @@ def _engine(model_dir, fused, bf16):
     return engine, model_config
 
 
-def train_verl_engine(rank, world, family, model_dir, patches, fused=False, bf16=False, steps=2, mixed=False):
+def train_verl_engine(rank, world, family, model_dir, patches, fused=False, bf16=False, steps=2, mixed=False,
+                      kinds=None):
     """Train ``family`` from ``model_dir`` through verl's FSDP engine on this rank; see the module docstring.
 
     ``patches``: how fsdp2-compat is turned on (``common.activate``).  ``mixed``: on each step one rank
-    (``common.text_only_rank``) gets text-only samples, the others images (a mixed dataset).  Returns
+    (``common.text_only_rank``) gets text-only samples, the others images (a mixed dataset).  ``kinds``:
+    the media each rank's samples carry on step 0, e.g. ``(("image", "video"), ("image",))``; each later
+    step hands them on to the next rank.  Returns
     ``{"error": "<where>: <type>: <message>" or None, "losses" (verl's, per step: in bf16 where it
     autocasts, so two ranks' may coincide), "reference_losses" (the reference's for this rank's samples),
     "loss_err",
     "step<k>_grad_err" / "_worst_grad" / "_lm_head_grad_err" / "_grads_checked",
     "param_err_after_step<k>", "grad_norm_err", "units", "forward",
-    "engine_class", "device", "activation", "autocast", "dummy_forwards" (fsdp2-compat's), "init_s", "step_s"}``;
+    "engine_class", "device", "activation", "autocast", "dummy_forwards" / "merged_forwards" (fsdp2-compat's),
+    "init_s", "step_s"}``;
     ``common.tolerance(result)`` is the bound its errors are held to.
     """
     import copy
     from functools import partial
 
     from . import common, cpu
-    from fsdp2_compat.fixes import mixed_media
+    from fsdp2_compat.fixes import media_merge, mixed_media
     from fsdp2_compat.tooling.scenarios import first_line
 
     start = time.perf_counter()
@@ -293,11 +296,12 @@ def train_verl_engine(rank, world, family, model_dir, patches, fused=False, bf16
     reference.train()
     ref_optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
     loss_fn = partial(sft_loss, config=None)
-    dummies_before = mixed_media.STATS["dummy_forwards"]
+    dummies_before, merged_before = mixed_media.STATS["dummy_forwards"], media_merge.STATS["merged_forwards"]
     t0 = time.perf_counter()
     for step in range(steps):
         per_rank = [make_samples(family, reference, seed=1000 + step * world + r,
-                                 text=mixed and r == common.text_only_rank(step, world)) for r in range(world)]
+                                 text=mixed and r == common.text_only_rank(step, world),
+                                 media=kinds[(r - step) % world] if kinds else ("image",)) for r in range(world)]
         data = to_tensordict(per_rank[rank], fused, model_config.tokenizer.pad_token_id)
         # Everything inside train_mode: verl 0.7 and 0.8 zero the gradients when it exits.
         with engine.train_mode(disable_auto_offload=True, zero_grad_on_exit=False):
@@ -329,6 +333,7 @@ def train_verl_engine(rank, world, family, model_dir, patches, fused=False, bf16
         result["param_err_after_step%d" % step] = common.param_err(module, reference)
     result["step_s"] = round(time.perf_counter() - t0, 2)
     result["dummy_forwards"] = mixed_media.STATS["dummy_forwards"] - dummies_before
+    result["merged_forwards"] = media_merge.STATS["merged_forwards"] - merged_before
     return result
 
 
