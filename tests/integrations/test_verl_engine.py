@@ -247,6 +247,30 @@ def test_mixed_text_and_image_ranks_on_verls_own_forward_need_only_its_dummy_fix
         _assert_matches(unpatched)
 
 
+# verl's GLM-4.1V dummy hard-codes the real tower's patch: 16 rows of 3 * 2 * 14 * 14 = 1176 values.
+GLM4V_REAL_PATCH = {"patch_size": 14, "image_size": 56}
+
+
+@pytest.mark.wrappable("glm4v")
+def test_mixed_text_and_image_ranks_on_verls_own_glm4v_forward_train_to_the_dp_average(tmp_path_factory):
+    """verl's GLM-4.1V forward runs its own dummy (real geometry only: 1176-wide patches) on text-only samples.
+
+    Step 0: rank 1 text-only, step 1: rank 0, a tiny GLM-4.1V with the real tower's 14-pixel patches.  With
+    the glm4v patch (its selection fix, and the fixes that make verl's GLM forward run on this transformers)
+    every step matches the DP reference and fsdp2-compat's own dummy never runs: verl needs nothing more.
+    """
+    root = str(tmp_path_factory.mktemp("verl-engine-glm4v-p14"))
+    model_dir = common.model_dir("glm4v", root, vision=GLM4V_REAL_PATCH)
+    try:
+        results = run_ranks(verl_engine.train_verl_engine, 2, "glm4v", model_dir, "glm4v", kwargs={"mixed": True},
+                            timeout=MIXED_PG_TIMEOUT + 240, retries=0, pg_timeout=MIXED_PG_TIMEOUT)
+    except RankError as exc:
+        pytest.fail("a text-only rank beside an image rank broke verl's GLM-4.1V forward: %s" % exc)
+    _assert_matches(results)
+    assert [r["dummy_forwards"] for r in results] == [0, 0]
+    assert all(r["forward"] == "verl.models.transformers.glm4v" for r in results), results[0]["forward"]
+
+
 VERL_FORWARD_PATCH = {"qwen2_5_vl": "qwen2vl", "qwen3_vl": "qwen3vl"}
 
 

@@ -82,14 +82,15 @@ def build_tokenizer(path, vocab_size=256):
     fast.save_pretrained(path)
 
 
-def model_dir(family, root, tokenizer=True):
-    """``root/family``: ``save_pretrained`` of the tiny untied model (seed 0), plus a tokenizer; built once."""
+def model_dir(family, root, tokenizer=True, vision=None):
+    """``root/family``: ``save_pretrained`` of the tiny untied model (seed 0), plus a tokenizer; built once.
+    ``vision``: ``tiny.build``'s vision overrides (the directory's name then lists them)."""
     from fsdp2_compat.tooling import tiny
 
-    path = os.path.join(root, family)
+    path = os.path.join(root, family + "".join("-%s%s" % kv for kv in sorted((vision or {}).items())))
     if not os.path.exists(os.path.join(path, "config.json")):
         os.makedirs(path, exist_ok=True)
-        tiny.build(family, tie=False, seed=0).save_pretrained(path)
+        tiny.build(family, tie=False, seed=0, vision=vision).save_pretrained(path)
         if tokenizer:
             build_tokenizer(path)
     return path

@@ -168,20 +168,22 @@ def quiet(fn, *args):
         hf_logging.set_verbosity(old)
 
 
-def build(family: str, *, tie: bool | str = False, seed: int = 0):
+def build(family: str, *, tie: bool | str = False, seed: int = 0, vision: dict | None = None):
     """Tiny fp32 CPU model of ``family`` in train mode, weights from ``seed``.
 
     ``tie``: False (untied), True (tied, flags agree; ``RuntimeError`` with the
     reason where the family cannot tie, see ``tieable``), or ``"weights-only"``:
     tied weights under a top-level ``tie_word_embeddings=False``, as a Qwen3-VL
     checkpoint loads in transformers 4.57 (the flag that ties lives in
-    ``text_config``); the frameworks read the top-level flag.
+    ``text_config``); the frameworks read the top-level flag.  ``vision``:
+    ``vision_config`` attributes to set (a real model's patch geometry where
+    upstream code hard-codes it); ``make_batch`` reads the config, so it fits.
     """
     _require(family)
     tied = bool(tie)
     if tied and tieable(family) is not True:
         raise RuntimeError(tieable(family))
-    model = _construct(family, tied, seed)
+    model = _construct(family, tied, seed, vision)
     inp = model.get_input_embeddings().weight
     out = model.get_output_embeddings().weight
     if (inp is out) != tied:
@@ -197,11 +199,13 @@ def build(family: str, *, tie: bool | str = False, seed: int = 0):
     return model
 
 
-def _construct(family: str, tied: bool, seed: int):
+def _construct(family: str, tied: bool, seed: int, vision=None):
     import torch
     import transformers as T
 
     config = quiet(tiny_config, family, tied)
+    for key, value in (vision or {}).items():
+        setattr(config.vision_config, key, value)
     model_cls = getattr(T, CLASSES[family][0])
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
