@@ -42,6 +42,16 @@ def _vision(model):
     return getattr(getattr(model, "config", None), "vision_config", None)
 
 
+def _zeros(tower, *shape, device):
+    """The dummy's values: zeros in the dtype of ``tower``'s parameters, as a real micro-batch arrives (a bf16
+    model's trainer casts its media to bf16; AudioFlamingo3's tower does not cast what it is given, and a float32
+    window against bf16 weights raises "Input type (float) and bias type (c10::BFloat16) should be the same")."""
+    import torch
+
+    dtype = next((p.dtype for p in tower.parameters() if p.is_floating_point()), torch.get_default_dtype())
+    return torch.zeros(*shape, device=device, dtype=dtype)
+
+
 # --- Qwen2-VL, Qwen2.5-VL, Qwen3-VL(-MoE), GLM-4.1V/4.5V/4.6V, Qwen3.5(-MoE) -------------------------------
 # Patches come flattened, ``[n, channels * temporal patch * patch**2]``, with a ``[t, h, w]`` grid per image;
 # the tower merges ``m x m`` patches into one token (``spatial_merge_size``), so the smallest image the merger
@@ -64,7 +74,7 @@ def _grid_run(model, device):
 
     width, merge = _grid_geometry(model)
     grid = torch.tensor([[1, merge, merge]], dtype=torch.long, device=device)
-    return model.get_image_features(torch.zeros(merge * merge, width, device=device), grid)
+    return model.get_image_features(_zeros(model.visual, merge * merge, width, device=device), grid)
 
 
 def _grid_check(model):
@@ -104,7 +114,8 @@ def _flat_run(model, device):
 
     width, side = _flat_geometry(model)
     grid = torch.tensor([[1, side, side]], dtype=torch.long, device=device)
-    return model.get_image_features(torch.zeros(side * side, width, device=device), grid)
+    return model.get_image_features(_zeros(getattr(model, for_model(model).attr), side * side, width, device=device),
+                                    grid)
 
 
 # --- PaddleOCR-VL (``PaddleOCRVLModel``) --------------------------------------------------------------------
@@ -124,7 +135,7 @@ def _paddle_run(model, device):
 
     channels, patch, merge = _ints(_vision(model), "num_channels", "patch_size", "spatial_merge_size")
     grid = torch.tensor([[1, merge, merge]], dtype=torch.long, device=device)
-    return model.get_image_features(torch.zeros(merge * merge, channels, patch, patch, device=device), grid)
+    return model.get_image_features(_zeros(model.visual, merge * merge, channels, patch, patch, device=device), grid)
 
 
 # --- LFM2-VL (``Lfm2VlModel``) ------------------------------------------------------------------------------
@@ -147,7 +158,7 @@ def _lfm2_run(model, device):
     (factor,) = _ints(model.config, "downsample_factor")
     n = factor * factor
     return model.get_image_features(
-        pixel_values=torch.zeros(1, n, channels * patch * patch, device=device),
+        pixel_values=_zeros(model.vision_tower, 1, n, channels * patch * patch, device=device),
         spatial_shapes=torch.tensor([[factor, factor]], dtype=torch.long, device=device),
         pixel_attention_mask=torch.ones(1, n, dtype=torch.long, device=device))
 
@@ -170,11 +181,9 @@ def _whisper_check(model):
 
 
 def _whisper_window(model, device):
-    import torch
-
     mel, positions = _ints(model.config.audio_config, "num_mel_bins", "max_source_positions")
     tower = model.audio_tower
-    return torch.zeros(1, mel, positions * tower.conv1.stride[0] * tower.conv2.stride[0], device=device)
+    return _zeros(tower, 1, mel, positions * tower.conv1.stride[0] * tower.conv2.stride[0], device=device)
 
 
 def _voxtral_run(model, device):

@@ -16,7 +16,9 @@ of ``mixed_jobs.PREFERRED``, whose own ``apply_fsdp2`` / ``parallelize_model`` g
 TRL is installed).
 
 One pair of rank processes runs everything (``mixed_jobs.patched_then_unpatched``):
-every family patched (rank 0 image / rank 1 text-only, then the reverse; each
+every family patched (rank 0 image / rank 1 text-only, then the reverse, sync
+on every micro-batch; and two micro-batches per rank, image and text-only,
+with the first one's sync deferred, in fp32 and with bf16 parameters; each
 gradient against the unsharded reference trained on the data-parallel
 average), then one family unpatched (its patch without the mixed-ranks
 targets), which gloo aborts with its collective-mismatch message under a 20 s
@@ -42,6 +44,13 @@ DEPENDS_ON = ("torch", "transformers")
 
 PG_TIMEOUT = 20
 STEPS = ((("image",), ("text",)), (("text",), ("image",)))  # rank 0 image / rank 1 text-only, then the reverse
+ACCUM_STEPS = ((("image", "text"), ("text", "image")),)  # two micro-batches per rank, the first one's sync deferred
+# Sync on every micro-batch, and deferred (fp32 exact; bf16 parameters within bf16 tolerance): test_mixed_ranks' cases.
+PATCHED_CASES = ("fp32 every", "fp32 deferred", "bf16 deferred")
+# Mixture-of-experts families: bf16 parameters may route a token to other experts than the fp32 reference
+# does, and that expert's whole gradient then differs (GLM-4.5V: 0.26 of max on one expert, transformers
+# 5.24.0).  Not a property of the fix: their claim is the exact fp32 one.
+MOE = ("glm4v_moe", "qwen3_vl_moe", "qwen3_5_moe")
 MISMATCH = "Received data size doesn't match expected size. Is there a distributed collective mismatch"
 FAMILIES = ("glm4v_moe", "glm46v", "qwen3_vl_moe", "qwen2_vl", "qwen3_5_moe", "lfm2_vl", "paddleocr_vl", "qwen2_audio",
             "voxtral", "audioflamingo3", "hunyuan_vl", "cosmos3_edge")
@@ -116,26 +125,34 @@ def _run():
         families = [f for f in FAMILIES if _why_not(f) is None]
         unpatched = (UNPATCHED_FAMILY if UNPATCHED_FAMILY in families else families[0],
                      ("unpatched", "user-without-mixed", "fp32", "every", STEPS))
-        cases = [("fp32 every", "user", "fp32", "every", STEPS)]
+        cases = [(name, "user", name.split()[0], name.split()[1], _steps(name)) for name in PATCHED_CASES]
         patched, ranks = mixed_jobs.run_patched_then_unpatched(FRAMEWORK, families, cases, unpatched, PG_TIMEOUT,
                                                                "mixed_families_")
         _RESULTS["run"] = (patched, unpatched[0], ranks)
     return _RESULTS["run"]
 
 
+def _steps(case):
+    return STEPS if case.endswith("every") else ACCUM_STEPS
+
+
+@pytest.mark.parametrize("case", PATCHED_CASES)
 @pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.xdist_group("mixed-families"), id=f)
                                     for f in FAMILIES])
-def test_patched_mixed_ranks_train_to_the_dp_average(family):
+def test_patched_mixed_ranks_train_to_the_dp_average(family, case):
     if _why_not(family):
         pytest.skip(str(_why_not(family)))
+    if family in MOE and case.startswith("bf16"):
+        pytest.skip("MoE routing in bf16 differs from the fp32 reference's (see MOE); the fp32 cases are exact")
     patched, _, _ = _run()
     results = patched[family]
     for rank, r in enumerate(results):
-        accum_jobs.assert_close(r["fp32 every"], "fp32", "%s %s rank %d" % (FRAMEWORK, family, rank))
-    # each rank is text-only in one of the two steps: one dummy vision forward each, never on the image step
+        accum_jobs.assert_close(r[case], case.split()[0], "%s %s %s rank %d" % (FRAMEWORK, family, case, rank))
+    # each rank has one text-only micro-batch: one dummy vision forward each, never on an image micro-batch
     # (so the fix found the tower FSDP2-managed: units of its own, or PaddleOCR-VL's root unit around it)
-    assert [r["fp32 every"]["dummy_forwards"] for r in results] == [1, 1], results
-    assert results[0]["fp32 every"]["losses"] != results[1]["fp32 every"]["losses"], "same data on both ranks"
+    assert [r[case]["dummy_forwards"] for r in results] == [1, 1], results
+    if case.startswith("fp32"):  # (bf16 losses may round to the same value on both ranks)
+        assert results[0][case]["losses"] != results[1][case]["losses"], "same data on both ranks"
     tower = ".%s." % TOWER.get(family, "visual")  # (Voxtral before 5.10.0: on the outer model, no ``model.``)
     own_units = any(tower in ".%s." % name for name in results[0]["fp32 every"]["wrapped"])
     assert own_units == (family not in ROOT_UNIT_TOWERS), results[0]["fp32 every"]["wrapped"]
