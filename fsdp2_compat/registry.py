@@ -189,6 +189,7 @@ PATCHES = (
         "`position_embedding.weight`); SkyRL cannot take its config at all (it reads a top-level "
         "`tie_word_embeddings` the config class lacks: `AttributeError`, patched or not)",
         {"step3p7": "Step-3.7"},
+        mixed=transformers_media.STEP3P7,
     ),
     _selection_patch(
         "glmimage",

@@ -31,6 +31,10 @@ class Tower(NamedTuple):
     # arguments that, all given, make the forward run the tower once per media kind; ``fixes.media_merge`` then
     # runs it once for all of them (empty: one kind per micro-batch, nothing to merge)
     merge: Tuple[str, ...] = ()
+    # ``(argument, run)``: a micro-batch with media but without this optional argument runs the tower fewer times
+    # than one with it (Step-3.7's local crops: a second tower call); ``run(model, device)`` is the missing
+    # call on its smallest dummy, added with a zero contribution so every micro-batch runs the tower as often
+    pad: Optional[Tuple[str, Callable]] = None
 
 
 def _ints(obj, *names):
@@ -163,6 +167,32 @@ def _lfm2_run(model, device):
         pixel_attention_mask=torch.ones(1, n, dtype=torch.long, device=device))
 
 
+# --- Step-3.7 (``Step3p7Model``): transformers 5.16+ --------------------------------------------------------
+# ``get_image_features(pixel_values [n, channels, s, s], pixel_values_local, num_local_patches)`` runs
+# ``vision_model`` (interpolated positions: any whole number of patches per side; two stride-2 convolutions)
+# and the projector on the global views, and again on the local crops when the micro-batch has any: two tower
+# calls with crops, one without.  So every micro-batch runs it twice: a text-only one on a one-patch view and
+# one one-patch crop, one without crops gets the crop call on a one-patch crop (``pad``).
+
+def _step3p7_check(model):
+    if not _ints(_vision(model), "num_channels", "patch_size"):
+        return "its vision_config lacks num_channels / patch_size"
+    return None
+
+
+def _step3p7_view(model, device):
+    channels, patch = _ints(_vision(model), "num_channels", "patch_size")
+    return _zeros(model.vision_model, 1, channels, patch, patch, device=device)
+
+
+def _step3p7_run(model, device):
+    return model.get_image_features(_step3p7_view(model, device), _step3p7_view(model, device), [1])
+
+
+def _step3p7_crop_run(model, device):
+    return model.get_image_features(_step3p7_view(model, device))
+
+
 # --- Qwen2-Audio, Voxtral, AudioFlamingo3 (``*ForConditionalGeneration`` to 5.9.0, ``*Model`` from 5.10.0) ---
 # Whisper-style ``audio_tower``: it accepts exactly ``max_source_positions * conv1 stride * conv2 stride`` mel
 # frames (Qwen2-Audio and Voxtral raise on any other length; AudioFlamingo3 adds ``embed_positions.weight`` whole, so any other
@@ -223,6 +253,8 @@ TOWERS = {
     # its get_video_features calls get_image_features: images and videos merge as the Qwen families'
     "Cosmos3EdgeModel": Tower("visual", ("pixel_values", "pixel_values_videos"), _flat_check, _flat_run,
                               merge=PATCH_GRID.merge),
+    "Step3p7Model": Tower("vision_model", ("pixel_values", "pixel_values_local"), _step3p7_check, _step3p7_run,
+                          pad=("pixel_values_local", _step3p7_crop_run)),
     "Qwen2AudioForConditionalGeneration": _QWEN2_AUDIO,
     "Qwen2AudioModel": _QWEN2_AUDIO,
     "VoxtralForConditionalGeneration": _VOXTRAL,

@@ -52,6 +52,9 @@ measures it); its collectives are those of one image micro-batch.
 A micro-batch with images *and* videos makes the Qwen forwards run the tower
 twice (once per kind) where every other rank runs it once: on such a call the
 wrapper hands it to ``fixes.media_merge`` (one tower call for both kinds).
+Step-3.7's forward runs its tower a second time for local crops: there every
+micro-batch runs it twice, a text-only one on a dummy view and crop, one
+without crops on a dummy crop (``media_towers.Tower.pad``).
 
 Side effect, by design (verl's own forwards have it too): a rank cannot know
 whether another rank has an image without a collective of its own, so a
@@ -66,10 +69,10 @@ relies on the embedding being called before the tower, on the media argument
 names and on ``get_image_features``); a model whose tower or config
 ``media_towers`` does not know (no tower under the attribute its entry names,
 a config without what the dummy needs) is left alone, with one warning per
-class naming why.  Families with no target at all (Step-3.7, GLM-Image,
-DeepSeek-OCR-2, Chameleon: towers of other kinds, new in transformers 5.1x)
-are never wrapped: their patches carry no mixed-ranks target, so status claims
-nothing for them.  Revert restores
+class naming why.  Families with no target at all (GLM-Image, DeepSeek-OCR-2,
+Chameleon: towers of other kinds, new in transformers 5.1x) are never
+wrapped: their patches carry no mixed-ranks target, so status claims nothing
+for them.  Revert restores
 transformers' methods.
 
 Delete when: transformers (or every trainer you run) keeps every rank in the
@@ -162,10 +165,11 @@ def needed_for(model):
     return True, ""
 
 
-def zero_contribution(model, device):
+def zero_contribution(model, device, run=None):
     """``0 * sum(every floating output)`` of the model's own media path on its tower's minimal dummy
-    (``media_towers``: one merged image token), a 0-dim tensor."""
-    out = media_towers.for_model(model).run(model, device)
+    (``media_towers``: one merged image token), a 0-dim tensor.  ``run``: another dummy run of the
+    tower's (its ``pad``), instead of ``Tower.run``."""
+    out = (run or media_towers.for_model(model).run)(model, device)
     STATS["dummy_forwards"] += 1
     total = None
     for t in _floating(out):
@@ -246,8 +250,11 @@ def _forward(wrapped, instance, args, kwargs):
     if both and not unknown_tower(model) and tower_is_sharded(_tower(model)):
         with media_merge.one_tower_call(model, arg):  # images and videos: one tower call, as on every rank
             return wrapped(*args, **kwargs)
-    if media or _decoding(cache):
+    # media without the optional input that makes the tower run once more (Step-3.7's crops): that call on a dummy
+    pad = tower.pad if tower.pad and arg(tower.media[0]) is not None and arg(tower.pad[0]) is None else None
+    if (media and pad is None) or _decoding(cache):
         return wrapped(*args, **kwargs)
+    run = pad[1] if pad else None
     why = unknown_tower(model)
     if why:
         _warn_unknown(model, why)
@@ -256,7 +263,7 @@ def _forward(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
     embeds = given.get("inputs_embeds")
     if embeds is not None:
-        given["inputs_embeds"] = _with_zero(embeds, zero_contribution(model, embeds.device))
+        given["inputs_embeds"] = _with_zero(embeds, zero_contribution(model, embeds.device, run))
         return wrapped(*bound.args, **bound.kwargs)
     done = []
 
@@ -264,7 +271,7 @@ def _forward(wrapped, instance, args, kwargs):
         if done:
             return None
         done.append(True)
-        return _with_zero(output, zero_contribution(model, output.device))
+        return _with_zero(output, zero_contribution(model, output.device, run))
 
     handle = tower.embed(model).register_forward_hook(add_zero)
     try:

@@ -16,10 +16,11 @@ grid), LFM2-VL (SigLIP2 NaFlex ``vision_tower``), and the Whisper-style
 ``<Family>Model.forward`` from 5.10.0: two targets each, each declaring the
 other's releases), and, new in transformers 5.1x, HunYuan-VL (from 5.13.0,
 ``vision_tower``) and Cosmos-3 Edge (from 5.15.0, ``visual``): flat patches
-with the same grid.  Not covered, left alone (no target; the family's patch
-does not claim it): Step-3.7, GLM-Image, DeepSeek-OCR-2 and Chameleon (towers
-of other kinds: a fixed-size image, a VQ tokenizer, SAM with learned queries),
-not read for this fix yet.
+with the same grid; Step-3.7 (from 5.16.0, ``vision_model``: square views,
+and a second tower call for local crops).  Not covered, left alone (no target;
+the family's patch does not claim it): GLM-Image, DeepSeek-OCR-2 and Chameleon
+(towers of other kinds: a VQ tokenizer, SAM with learned queries), not read
+for this fix yet.
 
 Releases (every published transformers release was read, see ``FORWARD_FINGERPRINTS``):
 - fingerprinted: 4.57.0-5.25.0 (the newest), each release's code of the
@@ -73,6 +74,7 @@ FAMILIES = {
     "paddleocr_vl": ("PaddleOCRVLModel", "5.0.0rc1"),
     "hunyuan_vl": ("HunYuanVLModel", "5.13.0"),
     "cosmos3_edge": ("Cosmos3EdgeModel", "5.15.0"),
+    "step3p7": ("Step3p7Model", "5.16.0"),
     # the outer class runs the tower until 5.9.0; from 5.10.0 VoxtralModel does (VOXTRAL_OUTER_FINGERPRINTS)
     "qwen2_audio": ("Qwen2AudioModel", "4.45.0"),
     "voxtral": ("VoxtralModel", "4.54.0"),
@@ -264,6 +266,15 @@ FORWARD_FINGERPRINTS = {
         "5.23.0": "2ef1a7a1dbb97733",
         "5.24.0-5.25.0": "f85545d9fc31e17c",
     },
+    # every release: get_input_embeddings() first, then get_image_features(pixel_values, pixel_values_local,
+    # num_local_patches) when pixel_values is given (5.18.0+: unless mm_encoder_outputs; 5.24.0: ``cache``)
+    "step3p7": {
+        "5.16.0-5.17.0": "ea2f19fb60ad9a7f",
+        "5.18.0": "807260cd486bdade",
+        "5.19.0-5.22.2": "d34cfd81f4a2e5a4",
+        "5.23.0": "4db2ae94e230509b",
+        "5.24.0-5.25.0": "a8e7b6ad693745b6",
+    },
 }
 
 
@@ -359,5 +370,7 @@ LFM2_VL = (_target("lfm2_vl"),)
 HUNYUAN_VL = (_target("hunyuan_vl", versions=">=5.15.0,<=5.17.0"),)
 COSMOS3_EDGE = (_target("cosmos3_edge", versions=">=5.15.0,<=5.17.0"),)
 PADDLEOCR_VL = (_target("paddleocr_vl"),)
+# Proven with 5.24.0 (accelerate; SkyRL cannot take its config, so 5.16.1 is not run here).
+STEP3P7 = (_target("step3p7", versions=">=5.24.0,<=5.25.0"),)
 TARGETS = (QWEN2_VL + QWEN3_VL + GLM4V + QWEN3_5 + LFM2_VL + PADDLEOCR_VL + QWEN2_AUDIO + VOXTRAL + AUDIOFLAMINGO3
-           + HUNYUAN_VL + COSMOS3_EDGE)
+           + HUNYUAN_VL + COSMOS3_EDGE + STEP3P7)

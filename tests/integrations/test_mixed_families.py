@@ -50,13 +50,17 @@ PATCHED_CASES = ("fp32 every", "fp32 deferred", "bf16 deferred")
 # Mixture-of-experts families: bf16 parameters may route a token to other experts than the fp32 reference
 # does, and that expert's whole gradient then differs (GLM-4.5V: 0.26 of max on one expert, transformers
 # 5.24.0).  Not a property of the fix: their claim is the exact fp32 one.
-MOE = ("glm4v_moe", "qwen3_vl_moe", "qwen3_5_moe")
+MOE = ("glm4v_moe", "qwen3_vl_moe", "qwen3_5_moe", "step3p7")
+# Step-3.7 runs its tower twice with local crops: every micro-batch without crops runs a dummy (media_towers.pad),
+# so each rank's image micro-batch runs one too.  Its crops against an image without them: CROPS_STEPS.
+DUMMIES = {"step3p7": [2, 2]}
+CROPS_STEPS = ((("image+crops",), ("text",)), (("image",), ("image+crops",)))
 MISMATCH = "Received data size doesn't match expected size. Is there a distributed collective mismatch"
 FAMILIES = ("glm4v_moe", "glm46v", "qwen3_vl_moe", "qwen2_vl", "qwen3_5_moe", "lfm2_vl", "paddleocr_vl", "qwen2_audio",
-            "voxtral", "audioflamingo3", "hunyuan_vl", "cosmos3_edge")
+            "voxtral", "audioflamingo3", "hunyuan_vl", "cosmos3_edge", "step3p7")
 # Built by the tests only (accum_jobs.TEST_ONLY): the transformers class each needs.
 TEST_ONLY_CLASS = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
-TOWER = {"lfm2_vl": "vision_tower", "hunyuan_vl": "vision_tower", "qwen2_audio": "audio_tower", "voxtral": "audio_tower", "audioflamingo3": "audio_tower"}  # the tower's attribute on the base model where it is not `visual`
+TOWER = {"step3p7": "vision_model", "lfm2_vl": "vision_tower", "hunyuan_vl": "vision_tower", "qwen2_audio": "audio_tower", "voxtral": "audio_tower", "audioflamingo3": "audio_tower"}  # the tower's attribute on the base model where it is not `visual`
 # No vision layer class in _no_split_modules: the tower is in the root unit, whose reduce-scatter is shorter
 # on a text-only rank unpatched (its vision parameters have no gradient).
 ROOT_UNIT_TOWERS = ("paddleocr_vl",)
@@ -65,7 +69,6 @@ UNPATCHED_FAMILY = "glm4v_moe"
 _GRID_LACKS = "its vision_config lacks in_channels / temporal_patch_size / patch_size / spatial_merge_size"
 UNKNOWN_TOWERS = {
     # families new in transformers 5.1x (tooling.tiny.recent): not read for the mixed-ranks fix
-    "step3p7": "it has no `visual` tower",
     "glm_image": _GRID_LACKS,  # a `visual` tower, without the Qwen/GLM patch-grid config
     "deepseek_ocr2": "it has no `visual` tower",
     "chameleon": "it has no `visual` tower",  # a VQ image tokenizer, no encoder tower
@@ -150,7 +153,7 @@ def test_patched_mixed_ranks_train_to_the_dp_average(family, case):
         accum_jobs.assert_close(r[case], case.split()[0], "%s %s %s rank %d" % (FRAMEWORK, family, case, rank))
     # each rank has one text-only micro-batch: one dummy vision forward each, never on an image micro-batch
     # (so the fix found the tower FSDP2-managed: units of its own, or PaddleOCR-VL's root unit around it)
-    assert [r[case]["dummy_forwards"] for r in results] == [1, 1], results
+    assert [r[case]["dummy_forwards"] for r in results] == DUMMIES.get(family, [1, 1]), results
     if case.startswith("fp32"):  # (bf16 losses may round to the same value on both ranks)
         assert results[0][case]["losses"] != results[1][case]["losses"], "same data on both ranks"
     tower = ".%s." % TOWER.get(family, "visual")  # (Voxtral before 5.10.0: on the outer model, no ``model.``)
@@ -185,3 +188,23 @@ def test_unknown_towers_are_not_claimed_and_the_fix_says_why(family):
     assert mixed_media.unknown_tower(base) == UNKNOWN_TOWERS[family]
     needed, why = mixed_media.needed_for(base)  # what status reports for a model instance
     assert not needed and why.startswith("%s.forward is not fsdp2-compat's" % type(base).__name__), why
+
+
+@pytest.mark.xdist_group("mixed-families")
+def test_step3p7_local_crops_on_one_rank_and_none_on_another_train_to_the_dp_average():
+    """Step-3.7's forward runs the tower again for local crops: a rank with crops beside one without (or text
+    only) issues more collectives.  Patched, the rank without crops runs the crop call on a dummy, and both
+    steps match the DP reference; unpatched (without the mixed-ranks target), gloo aborts the crops step."""
+    if _why_not("step3p7"):
+        pytest.skip(str(_why_not("step3p7")))
+    cases = [("fp32 crops", "user", "fp32", "every", CROPS_STEPS)]
+    unpatched = ("step3p7", ("unpatched", "user-without-mixed", "fp32", "every", CROPS_STEPS[1:]))
+    patched, ranks = mixed_jobs.run_patched_then_unpatched(FRAMEWORK, ["step3p7"], cases, unpatched, PG_TIMEOUT,
+                                                           "mixed_crops_")
+    results = [r["fp32 crops"] for r in patched["step3p7"]]
+    for rank, r in enumerate(results):
+        accum_jobs.assert_close(r, "fp32", "%s step3p7 crops rank %d" % (FRAMEWORK, rank))
+    # rank 0: its image without crops (step 1) pads; rank 1: its text-only micro-batch (step 0)
+    assert [r["dummy_forwards"] for r in results] == [1, 1], results
+    assert any(MISMATCH in outcome or MISMATCH in stderr for outcome, stderr in ranks), ranks
+    assert not any(outcome is None for outcome, _ in ranks), ranks

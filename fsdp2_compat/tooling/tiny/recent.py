@@ -157,8 +157,9 @@ def tiny_config(family: str, tie: bool):
     raise ValueError(f"unknown family {family!r}")
 
 
-def make_batch(family: str, model, *, seed: int, batch_size: int = 2) -> dict:
-    """Deterministic kwargs for ``model(**batch)`` (with labels -> scalar loss)."""
+def make_batch(family: str, model, *, seed: int, batch_size: int = 2, crops: bool = False) -> dict:
+    """Deterministic kwargs for ``model(**batch)`` (with labels -> scalar loss).  ``crops`` (Step-3.7): each
+    image also brings one local crop (``pixel_values_local``), whose token comes before the global view's."""
     import torch
 
     gen = torch.Generator().manual_seed(int(seed))
@@ -176,9 +177,14 @@ def make_batch(family: str, model, *, seed: int, batch_size: int = 2) -> dict:
                 "mm_token_type_ids": (ids == _IMG).to(torch.int32)}
     if family == "step3p7":
         # Two stride-2 convolutions after the patch embedding: one token per 4x4-patch image.
-        ids, attn, labels = with_placeholders(gen, batch_size, 5, [_IMG], 6)
-        return {"input_ids": ids, "attention_mask": attn, "labels": labels,
-                "pixel_values": torch.randn(batch_size, 3, _GRID * _PATCH, _GRID * _PATCH, generator=gen)}
+        ids, attn, labels = with_placeholders(gen, batch_size, 5, [_IMG] * (2 if crops else 1), 6)
+        side = _GRID * _PATCH
+        batch = {"input_ids": ids, "attention_mask": attn, "labels": labels,
+                 "pixel_values": torch.randn(batch_size, 3, side, side, generator=gen)}
+        if crops:
+            batch.update(pixel_values_local=torch.randn(batch_size, 3, side, side, generator=gen),
+                         num_local_patches=[1] * batch_size)
+        return batch
     if family == "glm_image":
         # Image-to-image: each sample's source image (tokenized by the VQ model), then the target grid.
         ids, attn, labels = with_placeholders(gen, batch_size, 5, [_START] + [_IMG] * n + [_END], 6)
