@@ -214,6 +214,7 @@ PATCHES = (
         "wrap-time `RuntimeError: Cannot concatenate overlapping meshes` (transformers 5.x: the VQ codebook "
         "inside a layer class); on 4.57 `aten.add.Tensor got mixed torch.Tensor and DTensor` (the codebook read raw)",
         {"chameleon": "Chameleon"},
+        mixed=transformers_media.CHAMELEON,
     ),
 )
 

@@ -193,6 +193,29 @@ def _step3p7_crop_run(model, device):
     return model.get_image_features(_step3p7_view(model, device))
 
 
+# --- Chameleon (``ChameleonModel``) ----------------------------------------------------------------------------
+# ``get_image_features(pixel_values [n, channels, s, s])``: the VQ-VAE encoder (``vqmodel``, whose blocks are
+# layer classes) turns each image into codebook ids, which the token embedding embeds (a tensor to 4.57, the
+# ``pooler_output`` of the VQ output from 5.0.0).  Only those embeddings reach the loss: no gradient reaches the
+# encoder on any rank, so the dummy adds only them (the VQ output's latents would send one into it on the
+# text-only rank alone).  The encoder halves the side once per channel multiplier but the last, and its group
+# norms need more than one value per group in training: the dummy is ``2 ** levels`` pixels square, 2x2 codes.
+
+def _chameleon_check(model):
+    vq = getattr(getattr(model, "config", None), "vq_config", None)
+    levels = getattr(vq, "channel_multiplier", None)
+    if not _ints(vq, "in_channels") or not isinstance(levels, (list, tuple)) or not levels:
+        return "its vq_config lacks in_channels / channel_multiplier"
+    return None
+
+
+def _chameleon_run(model, device):
+    vq = model.config.vq_config
+    side = 2 ** len(vq.channel_multiplier)
+    out = model.get_image_features(_zeros(model.vqmodel, 1, vq.in_channels, side, side, device=device))
+    return getattr(out, "pooler_output", out)
+
+
 # --- Qwen2-Audio, Voxtral, AudioFlamingo3 (``*ForConditionalGeneration`` to 5.9.0, ``*Model`` from 5.10.0) ---
 # Whisper-style ``audio_tower``: it accepts exactly ``max_source_positions * conv1 stride * conv2 stride`` mel
 # frames (Qwen2-Audio and Voxtral raise on any other length; AudioFlamingo3 adds ``embed_positions.weight`` whole, so any other
@@ -255,6 +278,7 @@ TOWERS = {
                               merge=PATCH_GRID.merge),
     "Step3p7Model": Tower("vision_model", ("pixel_values", "pixel_values_local"), _step3p7_check, _step3p7_run,
                           pad=("pixel_values_local", _step3p7_crop_run)),
+    "ChameleonModel": Tower("vqmodel", ("pixel_values",), _chameleon_check, _chameleon_run),
     "Qwen2AudioForConditionalGeneration": _QWEN2_AUDIO,
     "Qwen2AudioModel": _QWEN2_AUDIO,
     "VoxtralForConditionalGeneration": _VOXTRAL,

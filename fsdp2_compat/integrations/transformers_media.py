@@ -17,10 +17,10 @@ grid), LFM2-VL (SigLIP2 NaFlex ``vision_tower``), and the Whisper-style
 other's releases), and, new in transformers 5.1x, HunYuan-VL (from 5.13.0,
 ``vision_tower``) and Cosmos-3 Edge (from 5.15.0, ``visual``): flat patches
 with the same grid; Step-3.7 (from 5.16.0, ``vision_model``: square views,
-and a second tower call for local crops).  Not covered, left alone (no target;
-the family's patch does not claim it): GLM-Image, DeepSeek-OCR-2 and Chameleon
-(towers of other kinds: a VQ tokenizer, SAM with learned queries), not read
-for this fix yet.
+and a second tower call for local crops); Chameleon (``vqmodel``: a VQ-VAE
+encoder whose codes the token embedding embeds).  Not covered, left alone (no
+target; the family's patch does not claim it): GLM-Image and DeepSeek-OCR-2
+(towers of other kinds), not read for this fix yet.
 
 Releases (every published transformers release was read, see ``FORWARD_FINGERPRINTS``):
 - fingerprinted: 4.57.0-5.25.0 (the newest), each release's code of the
@@ -75,6 +75,7 @@ FAMILIES = {
     "hunyuan_vl": ("HunYuanVLModel", "5.13.0"),
     "cosmos3_edge": ("Cosmos3EdgeModel", "5.15.0"),
     "step3p7": ("Step3p7Model", "5.16.0"),
+    "chameleon": ("ChameleonModel", "4.44.0"),
     # the outer class runs the tower until 5.9.0; from 5.10.0 VoxtralModel does (VOXTRAL_OUTER_FINGERPRINTS)
     "qwen2_audio": ("Qwen2AudioModel", "4.45.0"),
     "voxtral": ("VoxtralModel", "4.54.0"),
@@ -275,6 +276,19 @@ FORWARD_FINGERPRINTS = {
         "5.23.0": "4db2ae94e230509b",
         "5.24.0-5.25.0": "a8e7b6ad693745b6",
     },
+    # every release: embed_tokens (get_input_embeddings()) first, then get_image_features(pixel_values) when
+    # pixel_values is given (the VQ encoder, then the embedding of its codes; 5.18.0+: unless mm_encoder_outputs)
+    "chameleon": {
+        "4.57.0-4.57.6": "895e1943f95f9913",
+        "5.0.0rc0-5.0.0rc2": "54fa5410711f98dd",
+        "5.0.0rc3": "00cecf2c01ac9b39",
+        "5.0.0-5.1.0": "b38c0ec10435bac0",
+        "5.2.0-5.3.0": "bc49feaef24aa024",
+        "5.4.0-5.17.0": "129fe26d4e33dfaf",
+        "5.18.0-5.22.2": "018f5e0ce5ffdb9b",
+        "5.23.0": "73c82fb99ffc241f",
+        "5.24.0-5.25.0": "af62e578b1466ba6",
+    },
 }
 
 
@@ -372,5 +386,6 @@ COSMOS3_EDGE = (_target("cosmos3_edge", versions=">=5.15.0,<=5.17.0"),)
 PADDLEOCR_VL = (_target("paddleocr_vl"),)
 # Proven with 5.24.0 (accelerate; SkyRL cannot take its config, so 5.16.1 is not run here).
 STEP3P7 = (_target("step3p7", versions=">=5.24.0,<=5.25.0"),)
+CHAMELEON = (_target("chameleon"),)
 TARGETS = (QWEN2_VL + QWEN3_VL + GLM4V + QWEN3_5 + LFM2_VL + PADDLEOCR_VL + QWEN2_AUDIO + VOXTRAL + AUDIOFLAMINGO3
-           + HUNYUAN_VL + COSMOS3_EDGE + STEP3P7)
+           + HUNYUAN_VL + COSMOS3_EDGE + STEP3P7 + CHAMELEON)

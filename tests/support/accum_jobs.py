@@ -51,7 +51,7 @@ def _test_patches():
         patch("t-%s-without-mixed" % name, tuple(t for t in registry.patch(name).targets
                                                  if t not in registry.MIXED_MEDIA))
         for name in ("glm4v", "qwen3vl", "qwen2vl", "qwen35", "lfm2vl", "paddleocrvl", "qwen2audio", "voxtral",
-                     "audioflamingo3", "hunyuanvl", "cosmos3", "step3p7")
+                     "audioflamingo3", "hunyuanvl", "cosmos3", "step3p7", "chameleon")
     ) + (
         # ... and without the fix of verl's own Qwen2-VL text-only dummy (verl.QWEN2_VL_FORWARD)
         patch("t-qwen2vl-without-verl-forward", tuple(t for t in registry.patch("qwen2vl").targets
