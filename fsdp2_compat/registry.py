@@ -208,6 +208,7 @@ PATCHES = (
         "deepseekocr2",
         "`aten.cat.default got mixed torch.Tensor and DTensor` (the vision encoder's query tables are read raw)",
         {"deepseek_ocr2": "DeepSeek-OCR-2"},
+        mixed=transformers_media.DEEPSEEK_OCR2,
     ),
     _selection_patch(
         "chameleon",

@@ -216,6 +216,54 @@ def _chameleon_run(model, device):
     return getattr(out, "pooler_output", out)
 
 
+# --- DeepSeek-OCR-2 (``DeepseekOcr2Model``): transformers 5.10.1+ --------------------------------------------
+# ``get_image_features(pixel_values [n, channels, s, s], pixel_values_local, num_local_patches)`` runs
+# ``vision_tower`` (SAM layers, two stride-2 convolutions, then an encoder over the patches and a learned query
+# table) and the projector on the global views, and again on the local crops when the micro-batch has any, as
+# Step-3.7 does: every micro-batch runs it twice (``pad``: a dummy crop where there are none).  The encoder
+# appends its 144-row ``query_768_resolution`` table when the SAM grid, quartered per side, is at most 144
+# patches, else the 256-row ``query_1024_resolution``: each table lives in the enclosing unit, so the dummy view
+# must pick the table a real global view picks (the SAM pretraining size ``sam_config.image_size``): one patch
+# when that size picks the small one (the tiny models), else the smallest square past 144 (13 per side: 784 px
+# for the released 1024-px config, 59% of one real global view).  Real crops pick the small table: one patch.
+
+def _deepseek_ocr2_sides(model):
+    """``(view side, crop side, channels)`` in pixels, or why not."""
+    import math
+
+    sam = getattr(_vision(model), "sam_config", None)
+    size, patch, channels = _ints(sam, "image_size", "patch_size", "num_channels") or (None, None, None)
+    small = getattr(getattr(getattr(model, "vision_tower", None), "query_768_resolution", None), "num_embeddings", None)
+    if size is None or not isinstance(small, int):
+        return "its vision_config.sam_config lacks image_size / patch_size / num_channels, or its vision_tower " \
+               "has no query_768_resolution table"
+    per_side = math.ceil(math.ceil((size // patch) / 2) / 2)  # the SAM grid after the two stride-2 convolutions
+    view = patch if per_side * per_side <= small else (4 * (math.isqrt(small) + 1) - 3) * patch
+    return view, patch, channels
+
+
+def _deepseek_ocr2_check(model):
+    sides = _deepseek_ocr2_sides(model)
+    return sides if isinstance(sides, str) else None
+
+
+def _deepseek_ocr2_image(model, side, channels, device):
+    return _zeros(model.vision_tower, 1, channels, side, side, device=device)
+
+
+def _deepseek_ocr2_run(model, device):
+    view, crop, channels = _deepseek_ocr2_sides(model)
+    return model.get_image_features(_deepseek_ocr2_image(model, view, channels, device),
+                                    _deepseek_ocr2_image(model, crop, channels, device), [1])
+
+
+def _deepseek_ocr2_crop_run(model, device):
+    # get_image_features runs the global view first: the crop call alone is the tower and the projector
+    _, crop, channels = _deepseek_ocr2_sides(model)
+    return model.multi_modal_projector(model.vision_tower(_deepseek_ocr2_image(model, crop, channels, device))
+                                       .last_hidden_state)
+
+
 # --- Qwen2-Audio, Voxtral, AudioFlamingo3 (``*ForConditionalGeneration`` to 5.9.0, ``*Model`` from 5.10.0) ---
 # Whisper-style ``audio_tower``: it accepts exactly ``max_source_positions * conv1 stride * conv2 stride`` mel
 # frames (Qwen2-Audio and Voxtral raise on any other length; AudioFlamingo3 adds ``embed_positions.weight`` whole, so any other
@@ -279,6 +327,8 @@ TOWERS = {
     "Step3p7Model": Tower("vision_model", ("pixel_values", "pixel_values_local"), _step3p7_check, _step3p7_run,
                           pad=("pixel_values_local", _step3p7_crop_run)),
     "ChameleonModel": Tower("vqmodel", ("pixel_values",), _chameleon_check, _chameleon_run),
+    "DeepseekOcr2Model": Tower("vision_tower", ("pixel_values",), _deepseek_ocr2_check, _deepseek_ocr2_run,
+                               pad=("pixel_values_local", _deepseek_ocr2_crop_run)),
     "Qwen2AudioForConditionalGeneration": _QWEN2_AUDIO,
     "Qwen2AudioModel": _QWEN2_AUDIO,
     "VoxtralForConditionalGeneration": _VOXTRAL,

@@ -69,8 +69,8 @@ relies on the embedding being called before the tower, on the media argument
 names and on ``get_image_features``); a model whose tower or config
 ``media_towers`` does not know (no tower under the attribute its entry names,
 a config without what the dummy needs) is left alone, with one warning per
-class naming why.  Families with no target at all (GLM-Image and
-DeepSeek-OCR-2: towers of other kinds, new in transformers 5.1x) are never
+class naming why.  A family with no target at all (GLM-Image: its VQ
+tokenizer runs before the embedding, once per source image) is never
 wrapped: their patches carry no mixed-ranks target, so status claims nothing
 for them.  Revert restores
 transformers' methods.

@@ -18,9 +18,11 @@ other's releases), and, new in transformers 5.1x, HunYuan-VL (from 5.13.0,
 ``vision_tower``) and Cosmos-3 Edge (from 5.15.0, ``visual``): flat patches
 with the same grid; Step-3.7 (from 5.16.0, ``vision_model``: square views,
 and a second tower call for local crops); Chameleon (``vqmodel``: a VQ-VAE
-encoder whose codes the token embedding embeds).  Not covered, left alone (no
-target; the family's patch does not claim it): GLM-Image and DeepSeek-OCR-2
-(towers of other kinds), not read for this fix yet.
+encoder whose codes the token embedding embeds); DeepSeek-OCR-2 (from
+5.10.1, ``vision_tower``: SAM and learned query tables, crops as Step-3.7's).
+Not covered, left alone (no target; the family's patch does not claim it):
+GLM-Image (its VQ tokenizer runs before the embedding, and a unit of it once
+per source image: no dummy matches a rank with another image count).
 
 Releases (every published transformers release was read, see ``FORWARD_FINGERPRINTS``):
 - fingerprinted: 4.57.0-5.25.0 (the newest), each release's code of the
@@ -76,6 +78,7 @@ FAMILIES = {
     "cosmos3_edge": ("Cosmos3EdgeModel", "5.15.0"),
     "step3p7": ("Step3p7Model", "5.16.0"),
     "chameleon": ("ChameleonModel", "4.44.0"),
+    "deepseek_ocr2": ("DeepseekOcr2Model", "5.10.1"),
     # the outer class runs the tower until 5.9.0; from 5.10.0 VoxtralModel does (VOXTRAL_OUTER_FINGERPRINTS)
     "qwen2_audio": ("Qwen2AudioModel", "4.45.0"),
     "voxtral": ("VoxtralModel", "4.54.0"),
@@ -289,6 +292,16 @@ FORWARD_FINGERPRINTS = {
         "5.23.0": "73c82fb99ffc241f",
         "5.24.0-5.25.0": "af62e578b1466ba6",
     },
+    # every release: the embedding first, then get_image_features(pixel_values, pixel_values_local,
+    # num_local_patches) when pixel_values is given (5.18.0+: unless mm_encoder_outputs has the image's)
+    "deepseek_ocr2": {
+        "5.10.1-5.14.1": "b15a4a30d6d0b456",
+        "5.15.0-5.17.0": "93aa961bc4043960",
+        "5.18.0": "6a4c8e9772553822",
+        "5.19.0-5.22.2": "170fbd7b5696cd69",
+        "5.23.0": "7fbbf2faabff8437",
+        "5.24.0-5.25.0": "6629d31ba6abcac1",
+    },
 }
 
 
@@ -387,5 +400,7 @@ PADDLEOCR_VL = (_target("paddleocr_vl"),)
 # Proven with 5.24.0 (accelerate; SkyRL cannot take its config, so 5.16.1 is not run here).
 STEP3P7 = (_target("step3p7", versions=">=5.24.0,<=5.25.0"),)
 CHAMELEON = (_target("chameleon"),)
+# Proven with 5.24.0 (accelerate), 5.16.1 (SkyRL) and 5.10.4 (verl), local crops on one rank too.
+DEEPSEEK_OCR2 = (_target("deepseek_ocr2", versions=">=5.24.0,<=5.25.0"),)
 TARGETS = (QWEN2_VL + QWEN3_VL + GLM4V + QWEN3_5 + LFM2_VL + PADDLEOCR_VL + QWEN2_AUDIO + VOXTRAL + AUDIOFLAMINGO3
-           + HUNYUAN_VL + COSMOS3_EDGE + STEP3P7 + CHAMELEON)
+           + HUNYUAN_VL + COSMOS3_EDGE + STEP3P7 + CHAMELEON + DEEPSEEK_OCR2)

@@ -55,16 +55,16 @@ MOE = ("glm4v_moe", "qwen3_vl_moe", "qwen3_5_moe", "step3p7")
 # take another code than in the fp32 reference, and the text layers then see other tokens (skyrl040, 5.16.1:
 # 0.17 of max on a k_norm bias).  Its claim is the exact fp32 one too.
 DISCRETE = MOE + ("chameleon",)
-# Step-3.7 runs its tower twice with local crops: every micro-batch without crops runs a dummy (media_towers.pad),
-# so each rank's image micro-batch runs one too.  Its crops against an image without them: CROPS_STEPS.
-DUMMIES = {"step3p7": [2, 2]}
+# Step-3.7 and DeepSeek-OCR-2 run their tower twice with local crops: every micro-batch without crops runs a dummy
+# (media_towers.pad), so each rank's image micro-batch runs one too.  Crops against an image without: CROPS_STEPS.
+DUMMIES = {"step3p7": [2, 2], "deepseek_ocr2": [2, 2]}
 CROPS_STEPS = ((("image+crops",), ("text",)), (("image",), ("image+crops",)))
 MISMATCH = "Received data size doesn't match expected size. Is there a distributed collective mismatch"
 FAMILIES = ("glm4v_moe", "glm46v", "qwen3_vl_moe", "qwen2_vl", "qwen3_5_moe", "lfm2_vl", "paddleocr_vl", "qwen2_audio",
-            "voxtral", "audioflamingo3", "hunyuan_vl", "cosmos3_edge", "step3p7", "chameleon")
+            "voxtral", "audioflamingo3", "hunyuan_vl", "cosmos3_edge", "step3p7", "chameleon", "deepseek_ocr2")
 # Built by the tests only (accum_jobs.TEST_ONLY): the transformers class each needs.
 TEST_ONLY_CLASS = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
-TOWER = {"step3p7": "vision_model", "chameleon": "vqmodel", "lfm2_vl": "vision_tower", "hunyuan_vl": "vision_tower", "qwen2_audio": "audio_tower", "voxtral": "audio_tower", "audioflamingo3": "audio_tower"}  # the tower's attribute on the base model where it is not `visual`
+TOWER = {"step3p7": "vision_model", "deepseek_ocr2": "vision_tower", "chameleon": "vqmodel", "lfm2_vl": "vision_tower", "hunyuan_vl": "vision_tower", "qwen2_audio": "audio_tower", "voxtral": "audio_tower", "audioflamingo3": "audio_tower"}  # the tower's attribute on the base model where it is not `visual`
 # No vision layer class in _no_split_modules: the tower is in the root unit, whose reduce-scatter is shorter
 # on a text-only rank unpatched (its vision parameters have no gradient).
 # Chameleon's VQ encoder classes are in its VQ model's own _no_split_modules: SkyRL's apply_fsdp2 gives them units,
@@ -76,7 +76,6 @@ _GRID_LACKS = "its vision_config lacks in_channels / temporal_patch_size / patch
 UNKNOWN_TOWERS = {
     # families new in transformers 5.1x (tooling.tiny.recent): not read for the mixed-ranks fix
     "glm_image": _GRID_LACKS,  # a `visual` tower, without the Qwen/GLM patch-grid config
-    "deepseek_ocr2": "it has no `visual` tower",
 }
 
 
@@ -209,20 +208,22 @@ def test_unknown_towers_are_not_claimed_and_the_fix_says_why(family):
     assert not needed and why.startswith("%s.forward is not fsdp2-compat's" % type(base).__name__), why
 
 
-@pytest.mark.xdist_group("mixed-families")
-def test_step3p7_local_crops_on_one_rank_and_none_on_another_train_to_the_dp_average():
-    """Step-3.7's forward runs the tower again for local crops: a rank with crops beside one without (or text
-    only) issues more collectives.  Patched, the rank without crops runs the crop call on a dummy, and both
-    steps match the DP reference; unpatched (without the mixed-ranks target), gloo aborts the crops step."""
-    if _why_not("step3p7"):
-        pytest.skip(str(_why_not("step3p7")))
+@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.xdist_group("mixed-families"), id=f)
+                                    for f in sorted(DUMMIES)])
+def test_local_crops_on_one_rank_and_none_on_another_train_to_the_dp_average(family):
+    """Step-3.7's and DeepSeek-OCR-2's forwards run the tower again for local crops: a rank with crops beside
+    one without (or text only) issues more collectives.  Patched, the rank without crops runs the crop call on
+    a dummy, and both steps match the DP reference; unpatched (without the mixed-ranks target), gloo aborts the
+    crops step."""
+    if _why_not(family):
+        pytest.skip(str(_why_not(family)))
     cases = [("fp32 crops", "user", "fp32", "every", CROPS_STEPS)]
-    unpatched = ("step3p7", ("unpatched", "user-without-mixed", "fp32", "every", CROPS_STEPS[1:]))
-    patched, ranks = mixed_jobs.run_patched_then_unpatched(FRAMEWORK, ["step3p7"], cases, unpatched, PG_TIMEOUT,
-                                                           "mixed_crops_")
-    results = [r["fp32 crops"] for r in patched["step3p7"]]
+    unpatched = (family, ("unpatched", "user-without-mixed", "fp32", "every", CROPS_STEPS[1:]))
+    patched, ranks = mixed_jobs.run_patched_then_unpatched(FRAMEWORK, [family], cases, unpatched, PG_TIMEOUT,
+                                                           "mixed_crops_%s_" % family)
+    results = [r["fp32 crops"] for r in patched[family]]
     for rank, r in enumerate(results):
-        accum_jobs.assert_close(r, "fp32", "%s step3p7 crops rank %d" % (FRAMEWORK, rank))
+        accum_jobs.assert_close(r, "fp32", "%s %s crops rank %d" % (FRAMEWORK, family, rank))
     # rank 0: its image without crops (step 1) pads; rank 1: its text-only micro-batch (step 0)
     assert [r["dummy_forwards"] for r in results] == [1, 1], results
     assert any(MISMATCH in outcome or MISMATCH in stderr for outcome, stderr in ranks), ranks

@@ -51,7 +51,7 @@ def _test_patches():
         patch("t-%s-without-mixed" % name, tuple(t for t in registry.patch(name).targets
                                                  if t not in registry.MIXED_MEDIA))
         for name in ("glm4v", "qwen3vl", "qwen2vl", "qwen35", "lfm2vl", "paddleocrvl", "qwen2audio", "voxtral",
-                     "audioflamingo3", "hunyuanvl", "cosmos3", "step3p7", "chameleon")
+                     "audioflamingo3", "hunyuanvl", "cosmos3", "step3p7", "chameleon", "deepseekocr2")
     ) + (
         # ... and without the fix of verl's own Qwen2-VL text-only dummy (verl.QWEN2_VL_FORWARD)
         patch("t-qwen2vl-without-verl-forward", tuple(t for t in registry.patch("qwen2vl").targets
@@ -262,7 +262,7 @@ def _micro_batch(family, reference, seed, kind, fused):
     if family in ("qwen3_5", "qwen3_5_moe"):  # text-only micro-batches, as in verl issue #7520; images as Qwen3-VL's
         batch = tiny.make_batch("qwen3_vl" if kind == "image" else "qwen2", reference, seed=seed)
         batch["use_cache"] = False
-    elif kind in ("video", "image+video", "image+crops"):  # VIDEO_FAMILIES' videos; Step-3.7's local crops
+    elif kind in ("video", "image+video", "image+crops"):  # VIDEO_FAMILIES' videos; local crops
         batch = tiny.make_batch(family, reference, seed=seed, media=tuple(kind.split("+")))
     else:
         batch = tiny.make_batch(family, reference, seed=seed)

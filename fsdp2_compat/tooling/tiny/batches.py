@@ -43,8 +43,8 @@ def make_batch(family: str, model, *, seed: int, batch_size: int = 2, media=("im
 
     ``media``: the kinds each row carries, for ``VIDEO_FAMILIES``: ``("image",)`` (the default, every
     family), ``("video",)`` or ``("image", "video")`` (one image then one video per row); Step-3.7:
-    ``("image", "crops")`` (each image with one local crop)."""
-    if tuple(media) == ("image", "crops") and family == "step3p7":  # each image with one local crop
+    ``("image", "crops")`` (Step-3.7, DeepSeek-OCR-2: each image with one local crop)."""
+    if tuple(media) == ("image", "crops") and family in ("step3p7", "deepseek_ocr2"):  # each image with one local crop
         return recent.make_batch(family, model, seed=seed, batch_size=batch_size, crops=True)
     if tuple(media) != ("image",):
         return _with_videos(family, model, seed, batch_size, tuple(media))

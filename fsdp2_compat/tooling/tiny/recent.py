@@ -158,8 +158,9 @@ def tiny_config(family: str, tie: bool):
 
 
 def make_batch(family: str, model, *, seed: int, batch_size: int = 2, crops: bool = False) -> dict:
-    """Deterministic kwargs for ``model(**batch)`` (with labels -> scalar loss).  ``crops`` (Step-3.7): each
-    image also brings one local crop (``pixel_values_local``), whose token comes before the global view's."""
+    """Deterministic kwargs for ``model(**batch)`` (with labels -> scalar loss).  ``crops`` (Step-3.7,
+    DeepSeek-OCR-2): each image also brings one local crop (``pixel_values_local``), whose tokens come before
+    the global view's."""
     import torch
 
     gen = torch.Generator().manual_seed(int(seed))
@@ -195,9 +196,15 @@ def make_batch(family: str, model, *, seed: int, batch_size: int = 2, crops: boo
                 "image_grid_thw": torch.tensor([[1, _GRID, _GRID]] * (2 * batch_size), dtype=torch.long),
                 "images_per_sample": torch.tensor([2] * batch_size)}
     if family == "deepseek_ocr2":
-        ids, attn, labels = with_placeholders(gen, batch_size, 5, [_IMG] * (_DEEPSEEK_QUERIES + 1), 6)  # + view separator
-        return {"input_ids": ids, "attention_mask": attn, "labels": labels,
-                "pixel_values": torch.randn(batch_size, 3, 64, 64, generator=gen)}
+        # + view separator; a 64-px crop is one patch after the convolutions too: the same 144 queries
+        span = [_IMG] * (_DEEPSEEK_QUERIES * (2 if crops else 1) + 1)
+        ids, attn, labels = with_placeholders(gen, batch_size, 5, span, 6)
+        batch = {"input_ids": ids, "attention_mask": attn, "labels": labels,
+                 "pixel_values": torch.randn(batch_size, 3, 64, 64, generator=gen)}
+        if crops:
+            batch.update(pixel_values_local=torch.randn(batch_size, 3, 64, 64, generator=gen),
+                         num_local_patches=[1] * batch_size)
+        return batch
     if family == "chameleon":
         ids, attn, labels = with_placeholders(gen, batch_size, 5, [_START] + [_IMG] * _VQ_TOKENS + [_END], 6)
         return {"input_ids": ids, "attention_mask": attn, "labels": labels,
