@@ -197,6 +197,7 @@ PATCHES = (
         "and, on one rank, `aten.grid_sampler_2d.default got mixed torch.Tensor and DTensor` (GLM4V-style "
         "`position_embedding`)",
         {"glm_image": "GLM-Image"},
+        mixed=transformers_media.GLM_IMAGE,
     ),
     _selection_patch(
         "cosmos3",

@@ -20,6 +20,8 @@ needs, is left alone by the fix, with a warning naming why (``reason``).
 
 from typing import Callable, NamedTuple, Optional, Tuple
 
+from . import vq_tokens
+
 
 class Tower(NamedTuple):
     attr: str  # the tower's attribute on the base model
@@ -35,6 +37,12 @@ class Tower(NamedTuple):
     # than one with it (Step-3.7's local crops: a second tower call); ``run(model, device)`` is the missing
     # call on its smallest dummy, added with a zero contribution so every micro-batch runs the tower as often
     pad: Optional[Tuple[str, Callable]] = None
+    # the forward runs the tower before the token embedding (GLM-Image): the dummy runs at the forward's entry,
+    # in that order, and returns no floating output (nothing of such a tower reaches the loss on any rank)
+    first: bool = False
+    # ``(model) -> context manager`` around a media micro-batch's forward, so it runs each unit as often as the
+    # dummy does (GLM-Image: one tokenizer call for all its images, ``fixes.vq_tokens``)
+    around: Optional[Callable] = None
 
 
 def _ints(obj, *names):
@@ -327,6 +335,9 @@ TOWERS = {
     "Step3p7Model": Tower("vision_model", ("pixel_values", "pixel_values_local"), _step3p7_check, _step3p7_run,
                           pad=("pixel_values_local", _step3p7_crop_run)),
     "ChameleonModel": Tower("vqmodel", ("pixel_values",), _chameleon_check, _chameleon_run),
+    "GlmImageModel": Tower("visual", ("pixel_values",), vq_tokens.check,
+                           lambda model, device: vq_tokens.run(model, device, _zeros), first=True,
+                           around=vq_tokens.one_encode),
     "DeepseekOcr2Model": Tower("vision_tower", ("pixel_values",), _deepseek_ocr2_check, _deepseek_ocr2_run,
                                pad=("pixel_values_local", _deepseek_ocr2_crop_run)),
     "Qwen2AudioForConditionalGeneration": _QWEN2_AUDIO,

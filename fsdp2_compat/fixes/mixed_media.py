@@ -69,10 +69,7 @@ relies on the embedding being called before the tower, on the media argument
 names and on ``get_image_features``); a model whose tower or config
 ``media_towers`` does not know (no tower under the attribute its entry names,
 a config without what the dummy needs) is left alone, with one warning per
-class naming why.  A family with no target at all (GLM-Image: its VQ
-tokenizer runs before the embedding, once per source image) is never
-wrapped: their patches carry no mixed-ranks target, so status claims nothing
-for them.  Revert restores
+class naming why.  Revert restores
 transformers' methods.
 
 Delete when: transformers (or every trainer you run) keeps every rank in the
@@ -250,6 +247,10 @@ def _forward(wrapped, instance, args, kwargs):
     if both and not unknown_tower(model) and tower_is_sharded(_tower(model)):
         with media_merge.one_tower_call(model, arg):  # images and videos: one tower call, as on every rank
             return wrapped(*args, **kwargs)
+    if media and tower.around and not _decoding(cache) and not unknown_tower(model) \
+            and tower_is_sharded(_tower(model)):
+        with tower.around(model):  # (GLM-Image: one tokenizer call for every image, as the dummy makes)
+            return wrapped(*args, **kwargs)
     # media without the optional input that makes the tower run once more (Step-3.7's crops): that call on a dummy
     pad = tower.pad if tower.pad and arg(tower.media[0]) is not None and arg(tower.pad[0]) is None else None
     if (media and pad is None) or _decoding(cache):
@@ -262,6 +263,10 @@ def _forward(wrapped, instance, args, kwargs):
     if not tower_is_sharded(_tower(model)):
         return wrapped(*args, **kwargs)
     embeds = given.get("inputs_embeds")
+    if tower.first:  # the tower runs before the embedding, and nothing of it reaches the loss: no zero to add
+        ids = arg("input_ids")
+        zero_contribution(model, (ids if ids is not None else embeds).device, run)
+        return wrapped(*args, **kwargs)
     if embeds is not None:
         given["inputs_embeds"] = _with_zero(embeds, zero_contribution(model, embeds.device, run))
         return wrapped(*bound.args, **bound.kwargs)

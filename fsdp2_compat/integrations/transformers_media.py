@@ -19,10 +19,10 @@ other's releases), and, new in transformers 5.1x, HunYuan-VL (from 5.13.0,
 with the same grid; Step-3.7 (from 5.16.0, ``vision_model``: square views,
 and a second tower call for local crops); Chameleon (``vqmodel``: a VQ-VAE
 encoder whose codes the token embedding embeds); DeepSeek-OCR-2 (from
-5.10.1, ``vision_tower``: SAM and learned query tables, crops as Step-3.7's).
-Not covered, left alone (no target; the family's patch does not claim it):
-GLM-Image (its VQ tokenizer runs before the embedding, and a unit of it once
-per source image: no dummy matches a rank with another image count).
+5.10.1, ``vision_tower``: SAM and learned query tables, crops as Step-3.7's);
+GLM-Image (from 5.0.0, ``visual`` and a VQ tokenizer that run before the
+token embedding, ``fixes.vq_tokens``: the dummy at the forward's entry, and
+one tokenizer call per micro-batch).
 
 Releases (every published transformers release was read, see ``FORWARD_FINGERPRINTS``):
 - fingerprinted: 4.57.0-5.25.0 (the newest), each release's code of the
@@ -79,6 +79,7 @@ FAMILIES = {
     "step3p7": ("Step3p7Model", "5.16.0"),
     "chameleon": ("ChameleonModel", "4.44.0"),
     "deepseek_ocr2": ("DeepseekOcr2Model", "5.10.1"),
+    "glm_image": ("GlmImageModel", "5.0.0rc3"),
     # the outer class runs the tower until 5.9.0; from 5.10.0 VoxtralModel does (VOXTRAL_OUTER_FINGERPRINTS)
     "qwen2_audio": ("Qwen2AudioModel", "4.45.0"),
     "voxtral": ("VoxtralModel", "4.54.0"),
@@ -302,6 +303,21 @@ FORWARD_FINGERPRINTS = {
         "5.23.0": "7fbbf2faabff8437",
         "5.24.0-5.25.0": "6629d31ba6abcac1",
     },
+    # every release from 5.0.0: get_image_features(pixel_values, source grids, return_dict=True), then
+    # get_image_tokens (one vqmodel.encode per source image), the ids scattered into input_ids, and only then
+    # the token embedding (the tower runs first); 5.18.0+: per-image [channels, h, w] features, mm_encoder_outputs
+    "glm_image": {
+        "5.0.0": "3828d895403efbfd",
+        "5.1.0": "4319e7324ac8837c",
+        "5.2.0-5.3.0": "1d5ea4263e535d8c",
+        "5.4.0-5.8.1": "bd8c65953ffbfc7f",
+        "5.9.0-5.10.0": "080544d1015230a9",
+        "5.10.1-5.14.1": "a2d1026e9fa1a508",
+        "5.15.0-5.17.0": "42c1e253a2fe1e95",
+        "5.18.0-5.22.2": "9e7aa2d9d1ffdf30",
+        "5.23.0": "2e39d9ff00f83436",
+        "5.24.0-5.25.0": "2f9fc23ce7e7189b",
+    },
 }
 
 
@@ -310,12 +326,14 @@ SYMPTOM = ("one rank's micro-batch text-only and another's with an image or audi
            "size doesn't match expected size`)")
 
 
-def _target(family, cls=None, fingerprints=None, declared=None, refuse_older=True, versions=PROVEN, layout=None):
+def _target(family, cls=None, fingerprints=None, declared=None, refuse_older=True, versions=PROVEN, layout=None,
+            unsupported=None):
     """The family's ``<cls>.forward`` target (``FAMILIES``' base model class unless ``cls`` is given);
     ``declared``: more releases with nothing to patch there; ``refuse_older``: the family's releases before
-    4.57.0 are unsupported (False where ``declared`` already classifies them: never both)."""
+    4.57.0 are unsupported (False where ``declared`` already classifies them: never both); ``unsupported``:
+    more releases with the bug in code the fix was not fitted to."""
     cls, first = cls or FAMILIES[family][0], FAMILIES[family][1]
-    unsupported = {}
+    unsupported = dict(unsupported or {})
     # (major, minor) of the first release: a family first released after 4.57 has no older releases to refuse
     if tuple(int(x) for x in first.split(".")[:2]) < (4, 57) and refuse_older:
         unsupported[">=%s,<4.57.0" % first] = (
@@ -402,5 +420,8 @@ STEP3P7 = (_target("step3p7", versions=">=5.24.0,<=5.25.0"),)
 CHAMELEON = (_target("chameleon"),)
 # Proven with 5.24.0 (accelerate), 5.16.1 (SkyRL) and 5.10.4 (verl), local crops on one rank too.
 DEEPSEEK_OCR2 = (_target("deepseek_ocr2", versions=">=5.24.0,<=5.25.0"),)
+GLM_IMAGE = (_target("glm_image", versions=">=5.24.0,<=5.25.0", unsupported={
+    "==5.0.0rc3": "GlmImageModel.get_image_features of 5.0.0rc3 returns a tuple (no return_dict): not read for the "
+                  "mixed-ranks fix"}),)
 TARGETS = (QWEN2_VL + QWEN3_VL + GLM4V + QWEN3_5 + LFM2_VL + PADDLEOCR_VL + QWEN2_AUDIO + VOXTRAL + AUDIOFLAMINGO3
-           + HUNYUAN_VL + COSMOS3_EDGE + STEP3P7 + CHAMELEON + DEEPSEEK_OCR2)
+           + HUNYUAN_VL + COSMOS3_EDGE + STEP3P7 + CHAMELEON + DEEPSEEK_OCR2 + GLM_IMAGE)

@@ -27,9 +27,9 @@ last and once (the mechanism is the same for every family; the per-family
 claim is the patched one, and ``test_mixed_ranks.py`` shows the abort per
 framework).
 
-The catalogued families with a media tower the fix does not know are checked
-here too: their patches carry no mixed-ranks target, and the fix says why it
-would leave their tower alone (``mixed_media.unknown_tower``).
+A tower that differs from what its family's entry relies on (``CANNOT_SERVE``)
+is checked here too: the fix says why it leaves it alone
+(``mixed_media.unknown_tower``).
 """
 
 import pytest
@@ -54,14 +54,14 @@ MOE = ("glm4v_moe", "qwen3_vl_moe", "qwen3_5_moe", "step3p7")
 # Chameleon turns an image into codebook ids (a nearest-code choice, discrete like routing): in bf16 a patch may
 # take another code than in the fp32 reference, and the text layers then see other tokens (skyrl040, 5.16.1:
 # 0.17 of max on a k_norm bias).  Its claim is the exact fp32 one too.
-DISCRETE = MOE + ("chameleon",)
+DISCRETE = MOE + ("chameleon",)  # (GLM-Image's codes matched the fp32 reference's in bf16: 5.10.4, 5.16.1, 5.24.0)
 # Step-3.7 and DeepSeek-OCR-2 run their tower twice with local crops: every micro-batch without crops runs a dummy
 # (media_towers.pad), so each rank's image micro-batch runs one too.  Crops against an image without: CROPS_STEPS.
 DUMMIES = {"step3p7": [2, 2], "deepseek_ocr2": [2, 2]}
 CROPS_STEPS = ((("image+crops",), ("text",)), (("image",), ("image+crops",)))
 MISMATCH = "Received data size doesn't match expected size. Is there a distributed collective mismatch"
 FAMILIES = ("glm4v_moe", "glm46v", "qwen3_vl_moe", "qwen2_vl", "qwen3_5_moe", "lfm2_vl", "paddleocr_vl", "qwen2_audio",
-            "voxtral", "audioflamingo3", "hunyuan_vl", "cosmos3_edge", "step3p7", "chameleon", "deepseek_ocr2")
+            "voxtral", "audioflamingo3", "hunyuan_vl", "cosmos3_edge", "step3p7", "chameleon", "deepseek_ocr2", "glm_image")
 # Built by the tests only (accum_jobs.TEST_ONLY): the transformers class each needs.
 TEST_ONLY_CLASS = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
 TOWER = {"step3p7": "vision_model", "deepseek_ocr2": "vision_tower", "chameleon": "vqmodel", "lfm2_vl": "vision_tower", "hunyuan_vl": "vision_tower", "qwen2_audio": "audio_tower", "voxtral": "audio_tower", "audioflamingo3": "audio_tower"}  # the tower's attribute on the base model where it is not `visual`
@@ -74,11 +74,11 @@ ROOT_UNIT_TOWERS = ("paddleocr_vl",)
 # valid: there the claim is the gradients, not where the units are.
 EITHER_LAYOUT = ("chameleon",)
 UNPATCHED_FAMILY = "glm4v_moe"
-# Catalogued families with a media tower that the fix does not know (no `visual` with the Qwen/GLM patch grid).
-_GRID_LACKS = "its vision_config lacks in_channels / temporal_patch_size / patch_size / spatial_merge_size"
-UNKNOWN_TOWERS = {
-    # families new in transformers 5.1x (tooling.tiny.recent): not read for the mixed-ranks fix
-    "glm_image": _GRID_LACKS,  # a `visual` tower, without the Qwen/GLM patch-grid config
+# Towers the fix cannot serve, made from a known family's tiny model: {family: (what is changed, the fix's reason)}.
+# GLM-Image's one tokenizer call per micro-batch relies on a 1x1 quant_conv (fixes.vq_tokens).
+CANNOT_SERVE = {
+    "glm_image": ("a 3x3 quant_conv", "its vqmodel has no 1x1 quant_conv and encode (one tokenizer call per "
+                                      "micro-batch needs both)"),
 }
 
 
@@ -173,6 +173,8 @@ def test_patched_mixed_ranks_train_to_the_dp_average(family, case):
     # each rank has one text-only micro-batch: one dummy vision forward each, never on an image micro-batch
     # (so the fix found the tower FSDP2-managed: units of its own, or PaddleOCR-VL's root unit around it)
     assert [r[case]["dummy_forwards"] for r in results] == DUMMIES.get(family, [1, 1]), results
+    if family == "glm_image":  # one tokenizer call per micro-batch: the dummy's, and the two source images' merged
+        assert [r[case]["vq_encodes"] for r in results] == [2, 2], results
     if case.startswith("fp32"):  # (bf16 losses may round to the same value on both ranks)
         assert results[0][case]["losses"] != results[1][case]["losses"], "same data on both ranks"
     tower = ".%s." % TOWER.get(family, "visual")  # (Voxtral before 5.10.0: on the outer model, no ``model.``)
@@ -190,24 +192,25 @@ def test_unpatched_a_text_only_rank_breaks_the_vision_units_collectives():
     assert not any(outcome is None for outcome, _ in ranks), (family, ranks)  # no rank trained through it
 
 
-@pytest.mark.parametrize("family", sorted(UNKNOWN_TOWERS))
-def test_unknown_towers_are_not_claimed_and_the_fix_says_why(family):
-    """No target of the family's patch is a mixed-ranks forward (status claims nothing for it), ``needed_for``
-    says the model's forward is not ours, and the fix's own check names what it does not know about the tower
-    (what its warning would say if the forward were wrapped)."""
+@pytest.mark.parametrize("family", sorted(CANNOT_SERVE))
+def test_a_tower_the_fix_cannot_serve_is_left_alone_and_the_fix_says_why(family):
+    """A model whose tower differs from what the family's entry relies on: the fix's own check names why (what
+    its warning says when the wrapped forward meets it: the forward is then left alone), and the unchanged
+    model passes the same check."""
+    import torch
+
     from fsdp2_compat.fixes import mixed_media
     from fsdp2_compat.tooling import tiny
 
     if tiny.available(family) is not True:
         pytest.skip(str(tiny.available(family)))
-    patch = registry.for_model_type(family)
-    assert patch is not None, family
-    assert not [t.attr for t in patch.targets if t in registry.MIXED_MEDIA], patch.name
     model = tiny.quiet(tiny.build, family)
-    base = getattr(model, "model", model)  # (Qwen2-Audio before 5.10.0 holds its tower on the outer class)
-    assert mixed_media.unknown_tower(base) == UNKNOWN_TOWERS[family]
-    needed, why = mixed_media.needed_for(base)  # what status reports for a model instance
-    assert not needed and why.startswith("%s.forward is not fsdp2-compat's" % type(base).__name__), why
+    base = model.model
+    assert mixed_media.unknown_tower(base) is None
+    conv = base.vqmodel.quant_conv
+    base.vqmodel.quant_conv = torch.nn.Conv2d(conv.in_channels, conv.out_channels, 3, padding=1)
+    assert mixed_media.unknown_tower(base) == CANNOT_SERVE[family][1], CANNOT_SERVE[family][0]
+
 
 
 @pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.xdist_group("mixed-families"), id=f)

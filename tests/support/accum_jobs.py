@@ -51,7 +51,7 @@ def _test_patches():
         patch("t-%s-without-mixed" % name, tuple(t for t in registry.patch(name).targets
                                                  if t not in registry.MIXED_MEDIA))
         for name in ("glm4v", "qwen3vl", "qwen2vl", "qwen35", "lfm2vl", "paddleocrvl", "qwen2audio", "voxtral",
-                     "audioflamingo3", "hunyuanvl", "cosmos3", "step3p7", "chameleon", "deepseekocr2")
+                     "audioflamingo3", "hunyuanvl", "cosmos3", "step3p7", "chameleon", "deepseekocr2", "glmimage")
     ) + (
         # ... and without the fix of verl's own Qwen2-VL text-only dummy (verl.QWEN2_VL_FORWARD)
         patch("t-qwen2vl-without-verl-forward", tuple(t for t in registry.patch("qwen2vl").targets
@@ -282,7 +282,7 @@ def _one_case(rank, world, framework, family, fused, patches, policy, sync, step
     import copy
 
     import fsdp2_compat
-    from fsdp2_compat.fixes import gather, media_merge, mixed_media
+    from fsdp2_compat.fixes import gather, media_merge, mixed_media, vq_tokens
     from fsdp2_compat.tooling import scenarios
 
     if patches:
@@ -302,6 +302,7 @@ def _one_case(rank, world, framework, family, fused, patches, policy, sync, step
     releases_before = gather.STATS["early_releases"]
     dummies_before = mixed_media.STATS["dummy_forwards"]
     merged_before = media_merge.STATS["merged_forwards"]
+    encodes_before = vq_tokens.STATS["encodes"]
     lm_head = getattr(model, "lm_head", None)
     lm_group = gather._owning(lm_head, lm_head.weight)[0] if lm_head is not None and hasattr(
         lm_head, "_get_fsdp_state") else None
@@ -354,6 +355,7 @@ def _one_case(rank, world, framework, family, fused, patches, policy, sync, step
     result["early_releases"] = gather.STATS["early_releases"] - releases_before
     result["dummy_forwards"] = mixed_media.STATS["dummy_forwards"] - dummies_before
     result["merged_forwards"] = media_merge.STATS["merged_forwards"] - merged_before
+    result["vq_encodes"] = vq_tokens.STATS["encodes"] - encodes_before  # GLM-Image's one tokenizer call
     return result
 
 
