@@ -11,6 +11,9 @@ accepts (``run(model, device)``: its output, whose floating tensors the fix
 multiplies by 0).  The dummy must go through every parameterised module the
 real media path reaches (tower and projector), so every FSDP2 unit sees the
 same collectives as on a media rank; its values do not matter (zeros).
+Optional fields cover forwards that run the tower more than once (``pad``,
+``merge``), before the embedding (``first``), or need one call per micro-batch
+of a unit they call per image (``around``).
 
 ``TOWERS`` maps the base model class name to its entry; a class without one
 gets ``PATCH_GRID`` (the Qwen/GLM families, where the fix started).  A model

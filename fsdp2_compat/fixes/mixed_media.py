@@ -52,9 +52,13 @@ measures it); its collectives are those of one image micro-batch.
 A micro-batch with images *and* videos makes the Qwen forwards run the tower
 twice (once per kind) where every other rank runs it once: on such a call the
 wrapper hands it to ``fixes.media_merge`` (one tower call for both kinds).
-Step-3.7's forward runs its tower a second time for local crops: there every
-micro-batch runs it twice, a text-only one on a dummy view and crop, one
-without crops on a dummy crop (``media_towers.Tower.pad``).
+Step-3.7's and DeepSeek-OCR-2's forwards run the tower a second time for local
+crops: there every micro-batch runs it twice, a text-only one on a dummy view
+and crop, one without crops on a dummy crop (``media_towers.Tower.pad``).
+GLM-Image runs its tower and VQ tokenizer *before* the token embedding, and
+only codebook ids reach the loss: its dummy runs at the forward's entry and
+adds nothing (``Tower.first``), and a media micro-batch tokenizes all its
+images in one call, as the dummy does (``Tower.around``, ``fixes.vq_tokens``).
 
 Side effect, by design (verl's own forwards have it too): a rank cannot know
 whether another rank has an image without a collective of its own, so a

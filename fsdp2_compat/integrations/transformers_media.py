@@ -420,6 +420,7 @@ STEP3P7 = (_target("step3p7", versions=">=5.24.0,<=5.25.0"),)
 CHAMELEON = (_target("chameleon"),)
 # Proven with 5.24.0 (accelerate), 5.16.1 (SkyRL) and 5.10.4 (verl), local crops on one rank too.
 DEEPSEEK_OCR2 = (_target("deepseek_ocr2", versions=">=5.24.0,<=5.25.0"),)
+# Proven with 5.24.0 (accelerate), 5.16.1 (SkyRL) and 5.10.4 (verl), two source images against a text-only rank.
 GLM_IMAGE = (_target("glm_image", versions=">=5.24.0,<=5.25.0", unsupported={
     "==5.0.0rc3": "GlmImageModel.get_image_features of 5.0.0rc3 returns a tuple (no return_dict): not read for the "
                   "mixed-ranks fix"}),)
