@@ -215,17 +215,26 @@ def one_tower_call(model, arg):
             state["merged"] = True
         return parts.pop(kind)
 
-    saved = {n: model.__dict__[n] for n in ("get_image_features", "get_video_features") if n in model.__dict__}
-    model.get_image_features = lambda *a, **k: part("image", a, k)
-    model.get_video_features = lambda *a, **k: part("video", a, k)
+    with for_this_call(model, get_image_features=lambda *a, **k: part("image", a, k),
+                       get_video_features=lambda *a, **k: part("video", a, k)):
+        yield
+
+
+@contextlib.contextmanager
+def for_this_call(obj, **replacements):
+    """Set ``obj``'s instance attributes to ``replacements`` until the block ends, then restore what the instance
+    had (an override someone installed before us), or delete them so the class's own show through again."""
+    saved = {name: obj.__dict__[name] for name in replacements if name in obj.__dict__}
+    for name, value in replacements.items():
+        setattr(obj, name, value)
     try:
         yield
     finally:
-        for name in ("get_image_features", "get_video_features"):
+        for name in replacements:
             if name in saved:
-                setattr(model, name, saved[name])
+                setattr(obj, name, saved[name])
             else:
-                delattr(model, name)
+                delattr(obj, name)
 
 
 def carries_both(model, tower, arg):

@@ -78,7 +78,6 @@ def one_visual_call(model, visual, images, image_grid, videos, video_grid):
     import torch
 
     original = visual.forward  # the class's, or an instance override someone installed before us
-    installed = visual.__dict__.get("forward")
     own = {"image": (images, image_grid), "video": (videos, video_grid)}
     parts = {}
     state = {"merged": False, "released": False}
@@ -103,14 +102,8 @@ def one_visual_call(model, visual, images, image_grid, videos, video_grid):
             state["merged"] = True
         return parts.pop(kind)
 
-    visual.forward = forward
-    try:
+    with media_merge.for_this_call(visual, forward=forward):
         yield
-    finally:
-        if installed is None:
-            del visual.forward
-        else:
-            visual.forward = installed
 
 
 def _seam(module, attr, pooled):

@@ -33,6 +33,8 @@ Delete with ``fixes.mixed_media``.
 
 import contextlib
 
+from . import media_merge
+
 
 def check(model):
     """None, or why the tokenizer or the dummy cannot be built for ``model``."""
@@ -66,15 +68,9 @@ STATS = {"encodes": 0}
 @contextlib.contextmanager
 def one_encode(model):
     """For one forward call of ``model``: its ``get_image_tokens`` encodes every image in one call."""
-    saved = model.__dict__.get("get_image_tokens")
-    model.get_image_tokens = lambda features, image_grid_thw=None: _tokens(model, features, image_grid_thw)
-    try:
+    with media_merge.for_this_call(
+            model, get_image_tokens=lambda features, image_grid_thw=None: _tokens(model, features, image_grid_thw)):
         yield
-    finally:
-        if saved is None:
-            del model.get_image_tokens
-        else:
-            model.get_image_tokens = saved
 
 
 def run(model, device, zeros):
@@ -87,6 +83,6 @@ def run(model, device, zeros):
     pixels = zeros(model.visual, 1, vision.in_channels * vision.patch_size ** 2, device=device)
     out = model.get_image_features(pixels, grid, return_dict=True)
     features = getattr(out, "pooler_output", out)
-    if not (isinstance(features, (list, tuple)) and features and features[0].dim() == 3):
-        features = torch.cat(list(features), dim=0) if isinstance(features, (list, tuple)) else features
+    if isinstance(features, (list, tuple)) and features[0].dim() == 2:  # to 5.17: [positions, channels] per image
+        features = torch.cat(list(features))
     return _tokens(model, features, grid)
