@@ -13,7 +13,8 @@ derived from it (``for_model_type``, ``selection_model_types``).
 Rules that need the whole catalogue live here too (``siblings``).
 """
 
-from .integrations import accelerate, areal, llamafactory, skyrl, torch_fsdp, transformers_media, trl, verl
+from .integrations import (accelerate, areal, llamafactory, lmms_engine, skyrl, torch_fsdp, transformers_media,
+                           transformers_moe, trl, verl)
 from .core.records import Patch
 
 # LLaMA-Factory 0.9.5's layer-class lookup, which ignores transformers 5.x's set _no_split_modules:
@@ -24,7 +25,7 @@ LF_LAYER_LOOKUP = (llamafactory.LAYER_CLASS_LOOKUP,)
 # The corrected FSDP2 wrap selection, in every framework release that has the bug
 # (LLaMA-Factory: with its layer-class lookup).
 SELECTION = (verl.WRAP_SELECTION_INLINE, verl.WRAP_SELECTION, skyrl.SKYRL, skyrl.SKYRL_TRAIN,
-             areal.WRAP_SELECTION, llamafactory.WRAP_SELECTION)
+             areal.WRAP_SELECTION, llamafactory.WRAP_SELECTION, lmms_engine.WRAP_SELECTION)
 WRAP_SELECTION = SELECTION + LF_LAYER_LOOKUP
 
 # torch FSDP2's gradient accumulation when a micro-batch leaves a unit unused
@@ -52,6 +53,13 @@ MIXED_MEDIA = transformers_media.TARGETS
 _MIXED_REFS = ("TRL issue #3934", "torchtitan issue #4777")
 _MIXED_DELETE = ("when transformers keeps every rank in the vision tower's collectives on text-only micro-batches in "
                  "every release you run")
+
+# MoE experts one rank's tokens never reach (transformers 4.x keeps experts in a loop that skips them):
+# FSDP2's units that hold them reduce every expert (fsdp2_compat.fixes.experts).  With a bf16 policy and
+# deferred sync the zeros meet accumulated fp32 gradients, so torch's accumulation fix comes with them.
+MOE_EXPERTS = transformers_moe.TARGETS
+_MOE_REFS = ("pytorch issue #171355", "SkyRL issue #1297", "SkyRL PR #1370")
+_MOE_DELETE = "when every transformers you train MoE models with is >= 5.0 (3-D experts: every rank has every gradient)"
 
 _ACCUM_REFS = ("pytorch issue #196996", "pytorch PR #194058", "verl PR #7475", "verl issue #7520")
 _ACCUM_DELETE = "when every torch you run is >= 2.15.0 (FSDP2 accumulation rewritten around grad_dtype)"
@@ -90,10 +98,10 @@ PATCHES = (
         # verl serves GLM-4.5V / GLM-4.6V (glm4v_moe) through dense_common's fused forward.
         # verl's own GLM-4.1V forward runs on the transformers verl admits only with GLM4V_FORWARD.
         targets=(WRAP_SELECTION + verl.GLM4V_FORWARD + verl.GLM4V_FUSED + verl.DENSE_FUSED + TRL + ACCELERATE
-                 + GRAD_ACCUMULATION + transformers_media.GLM4V),
-        references=_SELECTION_REFS + _LM_HEAD_REFS + _ACC_REFS + _ACCUM_REFS + _MIXED_REFS,
+                 + GRAD_ACCUMULATION + transformers_media.GLM4V + transformers_moe.GLM4V_MOE),
+        references=_SELECTION_REFS + _LM_HEAD_REFS + _ACC_REFS + _ACCUM_REFS + _MIXED_REFS + _MOE_REFS,
         delete_when=(_SELECTION_DELETE + "; and " + _LM_HEAD_DELETE + "; and " + _TRL_DELETE + "; and " + _ACC_DELETE
-                     + "; and " + _ACCUM_DELETE + "; and " + _MIXED_DELETE),
+                     + "; and " + _ACCUM_DELETE + "; and " + _MIXED_DELETE + "; and, for GLM-4.5V, " + _MOE_DELETE),
     ),
     Patch(
         name="qwen3vl",
@@ -137,6 +145,21 @@ PATCHES = (
         targets=verl.DENSE_FUSED + TRL + ACCELERATE_TIED,
         references=_LM_HEAD_REFS + _ACC_REFS,
         delete_when=_LM_HEAD_DELETE + "; and " + _TRL_DELETE + "; and when every accelerate you run is >= 1.15.0",
+    ),
+    Patch(
+        name="moe",
+        summary="transformers 4.x: a MoE expert one rank's tokens never reach has no gradient there, so the ranks' "
+        "reduce-scatters differ in size inside its FSDP2 unit (gloo `Received data size doesn't match expected "
+        "size`; NCCL hangs, or completes with wrong gradients)",
+        model_types={"qwen3_moe": "Qwen3-MoE", "qwen2_moe": "Qwen2-MoE / Qwen1.5-MoE", "mixtral": "Mixtral",
+                     "deepseek_v2": "DeepSeek-V2", "deepseek_v3": "DeepSeek-V3", "glm4_moe": "GLM-4.5 / GLM-4.6"},
+        note="the text MoE families; GLM-4.5V's experts come with the glm4v patch, and Qwen3-VL-MoE and "
+        "Qwen3.5-MoE keep 3-D experts in every release (nothing to fix). Also carries textlm's targets (verl's fused "
+        "text forward, TRL's reads, accelerate 1.14.0's tied tail)",
+        targets=transformers_moe.TEXT + GRAD_ACCUMULATION + verl.DENSE_FUSED + TRL + ACCELERATE_TIED,
+        references=_MOE_REFS + _ACCUM_REFS + _LM_HEAD_REFS + _ACC_REFS,
+        delete_when=(_MOE_DELETE + "; and " + _ACCUM_DELETE + "; and " + _LM_HEAD_DELETE + "; and " + _TRL_DELETE
+                     + "; and when every accelerate you run is >= 1.15.0"),
     ),
     _selection_patch(
         "lfm2vl",

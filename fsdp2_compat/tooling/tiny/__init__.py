@@ -50,7 +50,7 @@ checkpoints of these classes cannot be tied either); ``tieable()`` says where.
 
 from __future__ import annotations
 
-from . import recent
+from . import moe, recent
 from .batches import VIDEO_FAMILIES, make_batch
 from .configs import CLASSES, FAMILIES, tiny_config
 
@@ -168,7 +168,7 @@ def quiet(fn, *args):
         hf_logging.set_verbosity(old)
 
 
-def build(family: str, *, tie: bool | str = False, seed: int = 0, vision: dict | None = None):
+def build(family: str, *, tie: bool | str = False, seed: int = 0, vision: dict | None = None, experts: bool = False):
     """Tiny fp32 CPU model of ``family`` in train mode, weights from ``seed``.
 
     ``tie``: False (untied), True (tied, flags agree; ``RuntimeError`` with the
@@ -178,12 +178,14 @@ def build(family: str, *, tie: bool | str = False, seed: int = 0, vision: dict |
     ``text_config``); the frameworks read the top-level flag.  ``vision``:
     ``vision_config`` attributes to set (a real model's patch geometry where
     upstream code hard-codes it); ``make_batch`` reads the config, so it fits.
+    ``experts``: a MoE VLM (``moe.VLM_EXPERT_KEYS``) with ``moe.EXPERTS`` routed
+    experts, ``moe.TOP_K`` per token (the text MoE families always have them).
     """
     _require(family)
     tied = bool(tie)
     if tied and tieable(family) is not True:
         raise RuntimeError(tieable(family))
-    model = _construct(family, tied, seed, vision)
+    model = _construct(family, tied, seed, vision, experts)
     inp = model.get_input_embeddings().weight
     out = model.get_output_embeddings().weight
     if (inp is out) != tied:
@@ -199,11 +201,13 @@ def build(family: str, *, tie: bool | str = False, seed: int = 0, vision: dict |
     return model
 
 
-def _construct(family: str, tied: bool, seed: int, vision=None):
+def _construct(family: str, tied: bool, seed: int, vision=None, experts=False):
     import torch
     import transformers as T
 
     config = quiet(tiny_config, family, tied)
+    if experts:
+        config = moe.with_experts(config, family)
     for key, value in (vision or {}).items():
         setattr(config.vision_config, key, value)
     model_cls = getattr(T, CLASSES[family][0])

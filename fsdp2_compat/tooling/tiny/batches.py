@@ -5,7 +5,7 @@ Token ids, image grids and audio lengths fit the geometry of ``configs``.
 
 from __future__ import annotations
 
-from . import recent
+from . import moe, recent
 from .configs import (
     _AUDIO,
     _AUDIO_BOS,
@@ -50,6 +50,8 @@ def make_batch(family: str, model, *, seed: int, batch_size: int = 2, media=("im
         return _with_videos(family, model, seed, batch_size, tuple(media))
     if family in recent.CLASSES:
         return recent.make_batch(family, model, seed=seed, batch_size=batch_size)
+    if family in moe.CLASSES:
+        return moe.make_batch(model, seed=seed, batch_size=batch_size)
     import torch
 
     gen = torch.Generator().manual_seed(int(seed))
