@@ -23,6 +23,7 @@ tools: a module that depends on nothing runs there.
     python .ci/matrix.py check                                   every test module declares DEPENDS_ON
     python .ci/matrix.py order                                   the sets, in the order .ci/test runs them
     python .ci/matrix.py durations OUT.json SET.xml ...          per-set module seconds from junit files
+    python .ci/matrix.py installs OUT.json < "SET SECONDS BUILT" lines   per-set install seconds (.ci/test)
     python .ci/matrix.py verify [VENV_ROOT]                      every test a set leaves out is run where it says
 
 The tests' conftest applies the same rule to collected items when
@@ -41,10 +42,11 @@ ROOT = os.path.dirname(HERE)
 SETS_DIR = os.path.join(HERE, "sets")
 TESTS_DIR = os.path.join(ROOT, "tests")
 DURATIONS = os.path.join(HERE, "durations.json")
+INSTALLS = os.path.join(HERE, "installs.json")  # per-set seconds of a build from empty caches (.ci/test writes them)
 BARE = "bare"
 FRAMEWORK = "{framework}"
 # The dists an item parametrized with no ``framework`` stands for (fsdp2_compat.integrations.wrapping()).
-WRAPPING_FRAMEWORKS = ("verl", "skyrl", "skyrl-train", "areal", "llamafactory")
+WRAPPING_FRAMEWORKS = ("verl", "skyrl", "skyrl-train", "areal", "llamafactory", "lmms-engine")
 DEFAULT_TORCH = "2.13.0+cpu"  # .ci/install-set's default torch
 
 
@@ -239,10 +241,37 @@ def plan(durations_path=DURATIONS, out=sys.stdout):
         # -n 2 on 2 cores overlaps the two workers' tests only partly: 1.5x is what the measured run gave.
         out.write("expected pytest wall time: ~%d s over all sets under -n 2 (test seconds / 1.5, on the machine "
                   "that measured them)\n" % (sum(expected.values()) / 1.5))
+    _install_estimate(sets, out)
     undeclared = [r for r, d in rows if d is None]
     if undeclared:
         out.write("modules without DEPENDS_ON (run in every set): %s\n" % ", ".join(undeclared))
     return expected
+
+
+def _install_estimate(sets, out, path=INSTALLS):
+    """Print what building the venvs costs: each set's seconds from the last cold run (``installs.json``)."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        measured = json.load(f)
+    cold = {s: measured[s]["seconds"] for s in sets if s in measured and measured[s].get("built")}
+    if not cold:
+        return
+    out.write("expected install seconds on a machine without the venvs (%s; empty uv cache): %s = %d s;"
+              " with the venvs built (stamps match): ~2 s a set\n"
+              % (os.path.basename(path), " ".join("%s %d" % (s, cold[s]) for s in sets if s in cold), sum(cold.values())))
+
+
+def installs(out_path, lines):
+    """``SET SECONDS BUILT`` lines (``.ci/test``) -> ``{set: {"seconds": s, "built": bool}}`` in ``out_path``."""
+    table = {}
+    for line in lines:
+        parts = line.split()
+        if len(parts) == 3:
+            table[parts[0]] = {"seconds": int(parts[1]), "built": parts[2] == "true"}
+    with open(out_path, "w") as f:
+        json.dump(table, f, indent=1, sort_keys=True)
+    return table
 
 
 def check():
@@ -325,6 +354,9 @@ def main(argv):
         return 0
     if argv[:1] == ["durations"]:
         durations(argv[1], argv[2:])
+        return 0
+    if argv[:1] == ["installs"]:
+        installs(argv[1], sys.stdin.read().splitlines())
         return 0
     if argv[:1] == ["plan"]:
         path = argv[argv.index("--durations") + 1] if "--durations" in argv else DURATIONS
