@@ -15,11 +15,11 @@ neither has accelerate (its ``fsdp2_prepare_model`` takes the accelerator, not a
 (``transformers_media``: the model forwards that skip a vision tower).
 """
 
-from . import accelerate, areal, llamafactory, skyrl, torch_fsdp, transformers_media, trl, verl
+from . import accelerate, areal, llamafactory, lmms_engine, skyrl, torch_fsdp, transformers_media, trl, verl
 
 INTEGRATIONS = (verl.INTEGRATION, skyrl.SKYRL_INTEGRATION, skyrl.SKYRL_TRAIN_INTEGRATION, areal.INTEGRATION,
-                llamafactory.INTEGRATION, trl.INTEGRATION, accelerate.INTEGRATION, torch_fsdp.INTEGRATION,
-                transformers_media.INTEGRATION)
+                llamafactory.INTEGRATION, lmms_engine.INTEGRATION, trl.INTEGRATION, accelerate.INTEGRATION,
+                torch_fsdp.INTEGRATION, transformers_media.INTEGRATION)
 
 _BY_DIST = {i.dist: i for i in INTEGRATIONS}
 

@@ -24,6 +24,10 @@ default gloo group spans ``world`` ranks:
   first: rank 0 picks a free local port and broadcasts it, the group is
   destroyed, and LLaMA-Factory initialises the replacement (gloo, env://).
   The caller's ``destroy_process_group()`` then destroys that one.
+- lmms-engine: ``fsdp2_utils.apply_fsdp2(model, {"mesh": mesh}, layer_classes)``, as
+  ``FSDP2SFTTrainer.prepare_model`` calls it, with the model's ``_no_split_modules``
+  as the list its configs give in ``transformer_layer_cls_to_wrap`` (its default,
+  the set itself, fails its own ``[0]`` on transformers 5.x).
 
 ``precision`` names one policy for all of them: ``"bf16"`` is bf16 params with
 an fp32 reduce (each framework's own bf16 default), ``"fp32"`` fp32 both;
@@ -67,6 +71,9 @@ def shard(framework, model, world, precision=None):
     kwargs = {"mesh": mesh}
     if precision is not None:
         kwargs["mp_policy"] = mp_policy(precision)
+    if framework == "lmms-engine":
+        fsdp_utils.apply_fsdp2(model, kwargs, sorted(getattr(model, "_no_split_modules", None) or ()))
+        return model
     fsdp_utils.apply_fsdp2(model, kwargs, {})
     return model
 
@@ -96,7 +103,55 @@ def import_fsdp_utils(framework):
         raise ValueError("%s wraps no model itself (no apply_fsdp2); see fsdp2_compat.integrations" % framework)
     if framework == "skyrl":
         ensure_skyrl_backends_package()
+    if framework == "lmms-engine":
+        ensure_lmms_engine_utils_package()
     return importlib.import_module(name)
+
+
+# What lmms-engine 0.1.4's ``lmms_engine/utils/__init__.py`` imports and ``fsdp2_utils`` does not.
+LMMS_ENGINE_UTILS_DEPS = ("deepspeed", "datasets", "librosa", "jsonlines", "pandas", "yaml", "loguru", "rich")
+
+
+def ensure_lmms_engine_utils_package():
+    """Make ``lmms_engine.utils.fsdp2_utils`` importable where the package ``__init__``'s deps are absent.
+
+    lmms-engine's ``utils/__init__.py`` imports ``train_utils`` (deepspeed) and
+    ``data_utils`` (datasets, librosa); ``fsdp2_utils.py`` imports only torch and
+    ``lmms_engine.parallel.process_group_manager`` (torch).  Where the package
+    imports, it is a plain import.  Where it fails only because one of
+    ``LMMS_ENGINE_UTILS_DEPS`` is missing (the pinned test set installs lmms-engine
+    ``--no-deps``), ``lmms_engine.utils`` is registered without running its
+    ``__init__``: ``fsdp2_utils`` is still the released file, executed unchanged.
+    """
+    if "lmms_engine.utils" in sys.modules:
+        return
+    try:
+        importlib.import_module("lmms_engine.utils")
+        return
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] not in LMMS_ENGINE_UTILS_DEPS:
+            raise
+    for mod in [m for m in sys.modules if m.startswith("lmms_engine.utils")]:
+        del sys.modules[mod]
+    _bare_package("lmms_engine.utils", "lmms_engine.utils, __init__ skipped (its deps are not installed)")
+
+
+def _bare_package(name, doc):
+    """Register package ``name`` (its parent imported) without running its ``__init__``."""
+    import types
+
+    parent_name, _, child = name.rpartition(".")
+    parent = importlib.import_module(parent_name)
+    path = os.path.join(os.path.dirname(parent.__file__), child)
+    pkg = types.ModuleType(name, doc)
+    pkg.__path__ = [path]
+    pkg.__package__ = name
+    pkg.__file__ = os.path.join(path, "__init__.py")
+    spec = importlib.machinery.ModuleSpec(name, None, is_package=True)
+    spec.submodule_search_locations = [path]
+    pkg.__spec__ = spec
+    sys.modules[name] = pkg
+    setattr(parent, child, pkg)
 
 
 def ensure_skyrl_backends_package():
