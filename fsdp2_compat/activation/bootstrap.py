@@ -130,11 +130,17 @@ def activation_summary():
 def activate(source, environ=None):
     """Request the patches named in ``FSDP2_COMPAT_PATCHES``; record and return the decision.
 
+    ``FSDP2_COMPAT_GUARD`` set: the collective guard is installed first (``fsdp2_compat.guard``), whatever
+    the patches' variable says.
+
     Unset or blank: nothing is requested (and nothing imported beyond this
     package).  A selection that cannot be parsed raises
     ``fsdp2_compat.ConfigError`` after recording the failure: each caller
     decides how loud to be.
     """
+    from .. import guard
+
+    guard.install_if_requested(environ)  # FSDP2_COMPAT_GUARD: its own switch, whatever the patches say
     selection = config.implicit_selection(environ)
     if selection is None:
         return record(source, decision(source, False, "%s unset" % config.PATCHES_ENV))

@@ -19,6 +19,9 @@ One owner for each name and each policy:
   outside the proven range (``strict_setting``, ``strict_level``).
 - ``FSDP2_COMPAT_DISABLE_BOOTSTRAP``: keep the ``.pth`` inert while the
   variable still reaches the other ways in.
+- ``FSDP2_COMPAT_GUARD``: ``1`` turns on the run-time collective guard
+  (``fsdp2_compat.guard``) through the same ways in as the patches (the
+  ``.pth`` line runs when either variable is set); unset, nothing is installed.
 
 Also the start-up ``.pth`` file's name and its one line (``PTH_NAME``,
 ``PTH_LINE``), built here from the same names; ``setup.py`` reads them by
@@ -31,12 +34,13 @@ import os
 PATCHES_ENV = "FSDP2_COMPAT_PATCHES"
 STRICT_ENV = "FSDP2_COMPAT_STRICT"
 DISABLE_BOOTSTRAP_ENV = "FSDP2_COMPAT_DISABLE_BOOTSTRAP"
+GUARD_ENV = "FSDP2_COMPAT_GUARD"
 
 TRUE_VALUES = ("1", "true", "yes", "on")
 
 # The file the wheel installs at the root of site-packages, and its only line.
 # site.py executes a .pth line that starts with "import"; this one:
-# - with the variable unset or blank: one dict lookup, no import, no output;
+# - with both variables (patches, guard) unset or blank: two dict lookups, no import, no output;
 # - set: imports the bootstrap and calls startup(), which never raises;
 # - set, but the package is gone (half-uninstalled): one line on stderr.
 # An exception escaping a .pth line would make site.py print a traceback and
@@ -54,8 +58,8 @@ PTH_LINE = (
     "  import %s as b; b.startup()\\n"
     " except Exception as e:\\n"
     "  sys.stderr.write('fsdp2-compat: start-up bootstrap skipped (%%s: %%s)\\\\n' %% (type(e).__name__, e))\")"
-    ' if os.environ.get("%s", "").strip() else None'
-) % (BOOTSTRAP_MODULE, PATCHES_ENV)
+    ' if os.environ.get("%s", "").strip() or os.environ.get("%s", "").strip() else None'
+) % (BOOTSTRAP_MODULE, PATCHES_ENV, GUARD_ENV)
 
 
 class ConfigError(ValueError):
@@ -87,6 +91,11 @@ def implicit_selection(environ=None):
 def bootstrap_disabled(environ=None):
     """True when ``FSDP2_COMPAT_DISABLE_BOOTSTRAP`` switches the ``.pth`` off."""
     return is_true(_environ(environ).get(DISABLE_BOOTSTRAP_ENV))
+
+
+def guard_requested(environ=None):
+    """True when ``FSDP2_COMPAT_GUARD`` turns the collective guard on (the one truthiness rule)."""
+    return is_true(_environ(environ).get(GUARD_ENV))
 
 
 def strict_setting(environ=None):
