@@ -64,8 +64,9 @@ Delete when: every transformers you train MoE models with stores experts as
 
 import weakref
 
-# Units marked in this process and MoE block calls seen (tests and benchmarks read them).
-STATS = {"units_marked": 0, "blocks_seen": 0}
+# Units marked in this process, MoE block calls seen, zero gradients given on a torch without the flag
+# (tests and benchmarks read them).
+STATS = {"units_marked": 0, "blocks_seen": 0, "zero_grads_given": 0}
 
 _COVERED = weakref.WeakKeyDictionary()  # block -> tuple of weak references to the groups it marked
 _WARNED = set()
@@ -101,14 +102,18 @@ def reduce_unused(group):
 
     torch 2.13+: its own ``reduce_scatter_unused_params`` flag (what
     ``FSDPModule.set_reduce_scatter_unused_params(True, recurse=False)`` sets).
-    Older torch: the group's ``post_backward`` first gives such a parameter
-    the zero gradient torch 2.13 would reduce.  Idempotent.
+    Older torch: ``zero_grads_first``.  Idempotent.
     """
-    if hasattr(group, "reduce_scatter_unused_params"):
-        if not group.reduce_scatter_unused_params:
-            group.reduce_scatter_unused_params = True
-            STATS["units_marked"] += 1
-        return
+    if not hasattr(group, "reduce_scatter_unused_params"):
+        return zero_grads_first(group)
+    if not group.reduce_scatter_unused_params:
+        group.reduce_scatter_unused_params = True
+        STATS["units_marked"] += 1
+
+
+def zero_grads_first(group):
+    """A torch without the flag (2.6-2.12): ``group``'s ``post_backward`` (this instance's) first gives
+    every all-gathered parameter without a gradient the zero torch 2.13 would reduce.  Idempotent."""
     if "post_backward" not in vars(group):
         group.post_backward = _zeroing_post_backward(group)
         STATS["units_marked"] += 1
@@ -125,7 +130,7 @@ def _zeroing_post_backward(group):
     def post_backward(*args, **kwargs):
         g = ref()
         if g.reduce_grads:
-            give_unused_zero_grads(g)
+            STATS["zero_grads_given"] += give_unused_zero_grads(g)
         return type(g).post_backward(g, *args, **kwargs)
 
     return post_backward
