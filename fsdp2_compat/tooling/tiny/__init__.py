@@ -52,7 +52,19 @@ from __future__ import annotations
 
 from . import moe, recent
 from .batches import VIDEO_FAMILIES, make_batch
-from .configs import CLASSES, FAMILIES, tiny_config
+from .configs import CLASSES as _VLM_AND_TEXT_CLASSES
+from .configs import FAMILIES
+from .configs import tiny_config as _tiny_config
+
+# Every buildable family: ``FAMILIES`` plus the text MoE families of ``moe`` (not in FAMILIES: see tiny.moe).
+CLASSES = {**_VLM_AND_TEXT_CLASSES, **moe.CLASSES}
+
+
+def tiny_config(family: str, tie: bool):
+    """The tiny config of ``family`` (``configs``, ``recent`` or ``moe``)."""
+    if family in moe.CLASSES:
+        return moe.tiny_config(family, tie)
+    return _tiny_config(family, tie)
 
 __all__ = ["FAMILIES", "CLASSES", "VIDEO_FAMILIES", "available", "exports", "wrappable", "tieable", "raw_read_removed", "build",
            "make_batch", "tiny_config", "quiet"]

@@ -8,7 +8,7 @@ builds inputs that fit them.
 
 from __future__ import annotations
 
-from . import moe, recent
+from . import recent
 
 FAMILIES: tuple[str, ...] = (
     "qwen2",
@@ -42,7 +42,6 @@ CLASSES: dict[str, tuple[str, str]] = {
     "voxtral": ("VoxtralForConditionalGeneration", "VoxtralConfig"),
     "audioflamingo3": ("AudioFlamingo3ForConditionalGeneration", "AudioFlamingo3Config"),
     **recent.CLASSES,
-    **moe.CLASSES,  # text MoE families: buildable, not in FAMILIES (see tiny.moe)
 }
 
 # tiny dimensions shared by all families
@@ -122,8 +121,6 @@ def _text(tie: bool, **overrides) -> dict:
 def tiny_config(family: str, tie: bool):
     if family in recent.CLASSES:
         return recent.tiny_config(family, tie)
-    if family in moe.CLASSES:
-        return moe.tiny_config(family, tie)
     import transformers as T
 
     major = tf_major()

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import contextlib
 
-from .text import text_ids  # a leaf; ``configs`` imports this module (its CLASSES), so it is read in functions
+from .configs import _HEAD_DIM, _text, rope
+from .text import text_ids
 
 EXPERTS = 16
 TOP_K = 1
@@ -50,8 +51,6 @@ VLM_EXPERT_KEYS = {
 
 def tiny_config(family: str, tie: bool):
     import transformers as T
-
-    from .configs import _HEAD_DIM, _text, rope
 
     cfg_cls = getattr(T, CLASSES[family][1])
     moe = dict(moe_intermediate_size=_MOE_INTER, num_experts_per_tok=TOP_K)
