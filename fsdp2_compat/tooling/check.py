@@ -30,6 +30,12 @@ text only; unpatched gloo aborts on the mismatched collectives (the row shows
 its message), patched every gradient matches the data-parallel average
 (``tooling.mixed``).
 
+MoE experts that the ranks' tokens reach differently ("MoE experts, 2 ranks",
+GLM-4.5V and Qwen3-MoE through the first installed framework's wrapping): on
+transformers 4.x unpatched gloo aborts on the reduce-scatters of different
+sizes, patched every gradient matches the data-parallel average; on 5.x the
+experts are 3-D parameters and upstream runs fine (``tooling.moe_scenarios``).
+
 Last, the whole path users run: GLM-4.1V through each installed training
 engine that runs on CPU here (verl's FSDP engine, SkyRL's FSDPStrategy; see
 ``tooling.engines``), on two gloo ranks with different data, unpatched and
@@ -265,7 +271,7 @@ def run_checks(families=None, frameworks=None, progress=None):
     from fsdp2_compat import integrations
     from fsdp2_compat.core import guards
 
-    from . import mixed, scenarios
+    from . import mixed, moe_scenarios, scenarios
 
     torch.manual_seed(0)
     owns_group = not dist.is_initialized()
@@ -308,6 +314,8 @@ def run_checks(families=None, frameworks=None, progress=None):
     cases += [c for c in engine_cases(families) if frameworks is None or c[0] in frameworks]
     versions = dict(importable)
     cases += [(fw, versions[fw], family, patch, MIXED_KIND) for fw, family, patch in mixed.cases(versions, families)]
+    cases += [(fw, versions[fw], family, patch, moe_scenarios.KIND)
+              for fw, family, patch in moe_scenarios.cases(versions, families)]
     import tempfile
 
     models = tempfile.TemporaryDirectory(prefix="fsdp2_compat_check_models_")
@@ -348,6 +356,9 @@ def run_checks(families=None, frameworks=None, progress=None):
             elif kind == MIXED_KIND:
                 unpatched = mixed.run_case(framework, family, None)
                 patched = mixed.run_case(framework, family, patch)
+            elif kind == moe_scenarios.KIND:
+                unpatched = moe_scenarios.run_case(framework, family, patch, unpatched=True)
+                patched = moe_scenarios.run_case(framework, family, patch)
             elif kind in ENGINES:
                 unpatched = _engine(kind, family, None, models.name)
                 patched = _engine(kind, family, patch, models.name)

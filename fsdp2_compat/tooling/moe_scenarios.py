@@ -93,8 +93,6 @@ def train_moe(rank, world, framework, family, patches, precision=None, accumulat
     """
     import torch
 
-    import fsdp2_compat
-
     from .trl_scenarios import rank_env
 
     if stderr_dir is not None:
@@ -102,8 +100,9 @@ def train_moe(rank, world, framework, family, patches, precision=None, accumulat
 
         stderr_to_file(stderr_dir, rank)
 
-    if patches:
-        fsdp2_compat.apply(patches)
+    from . import subset
+
+    subset.apply(patches)  # patch names, or exact target keys (``-key`` drops one)
     if framework == "accelerate":
         rank_env(rank, world)
     model = build(family)
@@ -189,3 +188,60 @@ def differing_experts(results):
             if diff:
                 out.setdefault(block, set()).update(diff)
     return {block: sorted(v) for block, v in out.items()}
+
+
+# -- fsdp2-compat check: one row per MoE case ------------------------------------------------------------------------
+
+KIND = "MoE experts, 2 ranks"  # the check's row kind
+# The issue's family and the most trained text MoE; the tests run every family (tests/integrations/test_moe_experts.py).
+CHECK_FAMILIES = ("glm4v_moe", "qwen3_moe")
+PG_TIMEOUT = 20  # seconds: the surviving rank's wait in a collective its peer never joins
+
+
+def cases(versions, families=None):
+    """``[(framework, family, patch)]``: each of ``CHECK_FAMILIES`` (within ``families``) through the first of
+    ``versions`` (installed wrapping frameworks) that wraps it, with the catalogue's patch for it."""
+    from fsdp2_compat import registry
+
+    from . import tiny
+
+    framework = next((fw for fw in ("verl", "skyrl", "skyrl-train", "areal", "llamafactory") if fw in versions), None)
+    out = []
+    for family in CHECK_FAMILIES:
+        p = registry.for_model_type(family)
+        if framework is None or (families is not None and family not in families) or p is None:
+            continue
+        if tiny.available(family) is True:
+            out.append((framework, family, p.name))
+    return out
+
+
+def _quiet_train(rank, world, stderr_dir, *args, **kwargs):
+    from .rank_cases import captured
+
+    result, output = captured(train_moe, rank, world, *args, stderr_dir=stderr_dir, **kwargs)
+    result["output"] = output
+    return result
+
+
+def run_case(framework, family, patch, unpatched=False):
+    """One check case on 2 ranks: ``patch``, or (``unpatched``) that patch without its MoE targets, so the
+    row shows this bug and not another the patch fixes (GLM-4.5V's wrap selection).  gloo's abort is read
+    from the ranks' stderr (``tooling.mixed``); a run where the ranks reached the same experts says so."""
+    import tempfile
+
+    from fsdp2_compat.integrations import transformers_moe
+
+    from .mixed import gloo_error
+    from .rank_cases import two_ranks
+
+    patches = [patch] + (["-" + t.key for t in transformers_moe.TARGETS] if unpatched else [])
+    with tempfile.TemporaryDirectory(prefix="fsdp2_compat_moe_") as tmp:
+        result = two_ranks(_quiet_train, tmp, framework, family, patches, None, 1, retries=0, pg_timeout=PG_TIMEOUT, timeout=PG_TIMEOUT + 120)
+        gloo = gloo_error(tmp, 2)
+        differ = differing_experts(read_hits(tmp, 2))
+    if result.get("error") is not None and gloo is not None:
+        result["error"] = "gloo: " + gloo.split("] ", 1)[-1]
+    if not differ:
+        result["error"] = result.get("error") or "the ranks' tokens reached the same experts: nothing shown"
+    return result
