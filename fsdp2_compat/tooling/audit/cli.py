@@ -1,4 +1,4 @@
-"""``fsdp2-compat audit``: exit 0 when clean, 1 when hazards are found, 2 on bad input."""
+"""``fsdp2-compat audit``: exit 0 when clean, 1 when hazards or divergences are found, 2 on bad input."""
 
 import json
 import sys
@@ -40,6 +40,13 @@ def add_arguments(parser):
     parser.add_argument("--fused", action="store_true",
                         help="run verl's fused-kernel forward (apply_monkey_patch use_fused_kernels=True, torch "
                              "backend; return_dict=True, no labels)")
+    parser.add_argument("--batches", nargs="?", const="", default=None, metavar="KINDS",
+                        help="also find rank divergence: one forward + backward per batch kind (any of text, image, "
+                             "video, image+video, audio; default: the kinds the family's tiny batch supports, text "
+                             "only outside the tiny families) plus short text micro-batches with different tokens, "
+                             "under the plan's real fully_shard on a fake 2-rank process group; a unit entered a "
+                             "different number of times, or reduce-scattering different parameters, is a finding, "
+                             "unpatched and with the family's patch")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.add_argument("--sweep", action="store_true",
                         help="audit every available vision/audio tiny family under verl, skyrl, areal, "
@@ -80,6 +87,8 @@ def run(args):
         layer_classes = args.layer_classes.split(",") if args.layer_classes else None
         plan = args.plan if args.plan in PLANS else args.plan.split(",")
         rep = report(model, batch, plan, label, fused=args.fused, layer_classes=layer_classes, notes=notes)
+        if args.batches is not None:
+            rep["divergence"] = _divergence(args, model, plan, layer_classes)
     except AuditInputError as exc:
         print("fsdp2-compat audit: %s" % exc, file=sys.stderr)
         return 2
@@ -88,7 +97,23 @@ def run(args):
         sys.stdout.write("\n")
     else:
         print(format_report(rep))
-    return 1 if rep["hazards"] else 0
+    return 1 if rep["hazards"] or (rep.get("divergence") or {}).get("findings") else 0
+
+
+def _divergence(args, model, plan, layer_classes):
+    """``divergence.for_model`` for the CLI's model (rebuilt per pass: sharding is one-way)."""
+    from . import divergence
+    from .inputs import _family_of_model_type
+
+    if args.fused:
+        raise AuditInputError("--batches runs transformers' own forwards: leave out --fused")
+    family = args.model or _family_of_model_type(getattr(model.config, "model_type", "") or "")
+    if family is not None and args.config_json and not args.model:
+        from fsdp2_compat.tooling import tiny
+
+        family = family if tiny.available(family) is True else None
+    kinds = divergence.parse_kinds(args.batches, family)
+    return divergence.for_model(lambda: build_inputs(args)[0], family, kinds, plan, layer_classes)
 
 
 def main(argv=None):

@@ -4,6 +4,8 @@
 - ``Finding``: a problem of the plan itself (a nested unit, a tied weight split
   across units) or a note about the run, with a ``kind``, the full
   ``message`` and a ``short`` form for tables;
+- ``Divergence``: a unit whose collectives differ between two kinds of micro-batch
+  (``divergence``: ranks with those micro-batches hang or average wrong gradients);
 - ``AuditInputError``: bad input (exit code 2 in the CLI).
 """
 
@@ -50,6 +52,50 @@ class Hazard:
     def __repr__(self):
         return "Hazard(%s owned by %s, read by %s (%s), op %s, patch %s)" % (
             self.param, self.owner or "<root>", self.reader or "<root>", self.reader_class, self.op, self.patch)
+
+
+class Divergence:
+    """One FSDP2 unit whose collectives differ between micro-batches (``labels``: their kinds).
+
+    unit      the unit's module path (``""`` is the root)
+    labels    the batch kinds compared (``"text"``, ``"image"`` ..., ``"text, tokens N"``)
+    gathers   {label: how many times the unit is entered (all-gathered) in forward and backward}
+    reduced   {label: how many of its parameters are reduce-scattered (have a gradient)}
+    missing   {label: names of parameters another label reduce-scatters and this one does not}
+    nccl      what it does on NCCL (a hang, or silently wrong gradients)
+    patch     the catalogue patch that removes it, or None (``NO_DIVERGENCE_PATCH``)
+    """
+
+    __slots__ = ("unit", "labels", "gathers", "reduced", "missing", "nccl", "patch")
+
+    def __init__(self, unit, labels, gathers, reduced, missing, nccl, patch=None):
+        self.unit = unit
+        self.labels = tuple(labels)
+        self.gathers = dict(gathers)
+        self.reduced = dict(reduced)
+        self.missing = dict(missing)
+        self.nccl = nccl
+        self.patch = patch
+
+    @property
+    def experts(self):
+        """True when every parameter some label lacks is an expert's (MoE routing)."""
+        names = [n for ns in self.missing.values() for n in ns]
+        return bool(names) and all(".experts." in n or n.split(".")[-2:-1] == ["experts"] for n in names)
+
+    def as_dict(self):
+        d = {k: getattr(self, k) for k in self.__slots__}
+        d["labels"] = list(self.labels)
+        d["experts"] = self.experts
+        d["advice"] = ("apply patch '%s'" % self.patch) if self.patch else NO_DIVERGENCE_PATCH
+        return d
+
+    def __repr__(self):
+        return "Divergence(%s: %s, gathers %s, reduced %s)" % (self.unit or "<root>", "/".join(self.labels),
+                                                               self.gathers, self.reduced)
+
+
+NO_DIVERGENCE_PATCH = "no patch covers this"
 
 
 class Finding:

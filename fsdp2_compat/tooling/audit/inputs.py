@@ -163,7 +163,9 @@ def _build_generic(config):
     errors = []
     for cls in [c for c in classes if c is not None]:
         try:
-            return cls(config)
+            with torch.random.fork_rng(devices=[]):  # the same weights every build (--batches rebuilds it)
+                torch.manual_seed(0)
+                return cls(config)
         except Exception as exc:  # noqa: BLE001 - reported below
             errors.append("%s: %s" % (cls.__name__, exc))
     for auto in ("AutoModelForImageTextToText", "AutoModelForCausalLM", "AutoModel"):

@@ -83,6 +83,15 @@ def report(model, batch, plan, label, fused=False, layer_classes=None, notes=())
 
 
 def format_report(rep):
+    lines = _format_hazards(rep)
+    if rep.get("divergence") is not None:
+        from .divergence import format_lines
+
+        lines += format_lines(rep["divergence"])
+    return "\n".join(lines)
+
+
+def _format_hazards(rep):
     lines = [
         "model: %s (%s)  %s" % (rep["model"], rep["model_class"],
                                 " ".join("%s %s" % (k, v) for k, v in rep["versions"].items() if v)),
@@ -96,7 +105,7 @@ def format_report(rep):
     hz = rep["hazards"]
     if not hz:
         lines.append("no hazards: every parameter is read while its unit's forward runs")
-        return "\n".join(lines)
+        return lines
     rows = [("PARAMETER", "OWNER UNIT", "READ BY", "OP", "PATCH")]
     for h in hz:
         rows.append((h["param"], h["owner"] or "<root>", "%s (%s)" % (h["reader"] or "<root>", h["reader_class"]),
@@ -107,7 +116,7 @@ def format_report(rep):
         lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
     for h in hz:
         lines.append("- %s: %s" % (h["param"], h["advice"]))
-    return "\n".join(lines)
+    return lines
 
 
 def sweep(families=None, plans=SWEEP_PLANS):
