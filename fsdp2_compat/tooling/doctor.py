@@ -76,6 +76,10 @@ def diagnose(model_type):
         return report
     report["patch"] = patch.name
     report["family"] = patch.model_types.get(model_type.replace("-", "_"))
+    from ..integrations import transformers_moe
+
+    # A MoE family with nothing to fix in its experts says so (no target to list it under).
+    report["notes"] = [n for mt, n in transformers_moe.NOT_AFFECTED.items() if mt == model_type.replace("-", "_")]
     versions = {}
     for target in patch.targets:
         if target.dist not in versions:
@@ -117,6 +121,8 @@ def format_report(report, source=None):
         for r in report["rows"]:
             lines.append("  %-*s  %-15s %s (%s)" % (width, "%s %s" % (r["dist"], r["version"]), r["verdict"],
                                                    r["what"], r["why"]))
+    for note in report.get("notes", ()):
+        lines.append("  not affected    MoE experts: %s" % note.split(": ", 1)[-1])
     if report["absent"]:
         lines.append("  not installed here: %s" % ", ".join(report["absent"]))
     if report["needed"]:

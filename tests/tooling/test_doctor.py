@@ -83,3 +83,18 @@ def test_a_release_is_classified_by_the_catalogues_own_facts():
     assert doctor.classify(target, "1.14.2")[0] == "not covered"
     assert doctor.classify(target, "1.0.0")[0] == "not needed"
     assert doctor.classify(target, "9.0.0")[0] == "unknown release"
+
+
+def test_moe_experts_are_classified_by_the_loop_each_release_has():
+    """transformers 4.x loops that skip unreached experts are fixed; 5.x's 3-D experts and 4.40-4.51's
+    run-every-expert loop are not needed; the 3-D-only MoE VLMs are reported not affected."""
+    from fsdp2_compat.integrations import transformers_moe
+
+    qwen3_moe = next(t for t in transformers_moe.TEXT if "qwen3_moe" in t.module)
+    assert doctor.classify(qwen3_moe, "4.57.6") == ("fixes", "proven on this release")
+    assert doctor.classify(qwen3_moe, "4.54.0")[0] == "fixes"
+    assert doctor.classify(qwen3_moe, "4.52.0") == ("not needed", transformers_moe.EVERY_EXPERT)
+    assert doctor.classify(qwen3_moe, "5.8.0") == ("not needed", transformers_moe.THREE_D)
+    assert doctor.classify(transformers_moe.GLM4V_MOE[0], "4.57.6")[0] == "fixes"
+    code, out, _ = run_doctor("--model-type", "qwen3_vl_moe")
+    assert code == 0 and "not affected    MoE experts: routed experts are 3-D" in out, out
