@@ -49,6 +49,25 @@ holds FSDP2-sharded parameters (units of its own or an enclosing unit).  The
 dummy's forward is a few patches through the tower (``benchmarks/mixed_ranks.py``
 measures it); its collectives are those of one image micro-batch.
 
+A caller that runs the tower itself and passes ``inputs_embeds`` only (ms-swift's
+Qwen2-VL / Qwen2.5-VL templates: image features, or a dummy image's for a
+text-only sample, merged into the embeddings on every rank) already keeps every
+rank in the tower's collectives; a dummy there would be a second tower call
+per micro-batch (a second all-gather and reduce-scatter of every vision unit).
+So a forward hook counts the tower's calls outside backward (a gradient
+checkpoint's recompute is not a call), and a micro-batch with
+``inputs_embeds`` and no media gets no dummy when the tower ran since this
+model's previous forward returned: one tower call per micro-batch on every
+rank, the caller's.  The decision is local and the outcome uniform: each rank
+makes sure its tower ran exactly once for this micro-batch, whether the caller
+ran it on every rank, on some, or on none.  The hook is installed at the first
+distributed forward of a model whose tower is known, so that first micro-batch
+runs the dummy as before (on every rank of an ms-swift-style caller alike);
+a caller that runs the tower on *some* ranks only and passes ``inputs_embeds``
+is uniform from its second micro-batch on.  Not counted as "this micro-batch":
+a tower call by other code between two forwards of the model (its output
+then never reaches this forward); such a caller must not rely on this.
+
 A micro-batch with images *and* videos makes the Qwen forwards run the tower
 twice (once per kind) where every other rank runs it once: on such a call the
 wrapper hands it to ``fixes.media_merge`` (one tower call for both kinds).
@@ -88,10 +107,13 @@ from . import media_merge, media_towers
 # Inputs that carry media into a wrapped base model forward (every family; per family: media_towers).
 MEDIA_INPUTS = media_towers.media_inputs()
 
-# How many dummy vision forwards ran in this process (tests and benchmarks read it).
-STATS = {"dummy_forwards": 0}
+# How many dummy vision forwards ran in this process, and how many were left out because the caller had
+# already run the tower for the micro-batch (tests and benchmarks read them).
+STATS = {"dummy_forwards": 0, "caller_ran_tower": 0}
 
 _SHARDED = weakref.WeakKeyDictionary()  # tower -> True once found FSDP2-managed
+_TOWER_CALLS = weakref.WeakKeyDictionary()  # tower -> [its forward calls outside backward, since counted]
+_RETURNED_AT = weakref.WeakKeyDictionary()  # model -> its tower's call count when its last forward returned
 _WARNED = set()
 
 
@@ -221,6 +243,47 @@ def _bound(wrapped, bound_method, args, kwargs):
     return sig.bind_partial(*args, **kwargs)
 
 
+def _in_backward():
+    import torch
+
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
+
+
+def _count_tower_calls(tower):
+    """The tower's call counter, installing its forward hook on first use (``None`` on that first use: the
+    calls before it are unknown)."""
+    calls = _TOWER_CALLS.get(tower)
+    if calls is not None:
+        return calls
+    calls = _TOWER_CALLS[tower] = [0]
+
+    def count(module, inputs, output):
+        if not _in_backward():  # a gradient checkpoint's recompute is no call of the caller's
+            calls[0] += 1
+
+    tower.register_forward_hook(count)
+    return None
+
+
+def caller_ran_tower(model):
+    """True when ``model``'s tower ran (outside backward) since its previous forward returned: a caller that
+    passes ``inputs_embeds`` ran it for this micro-batch."""
+    tower = _tower(model)
+    calls = _count_tower_calls(tower) if tower is not None else None
+    returned_at = _RETURNED_AT.get(model)
+    return calls is not None and returned_at is not None and calls[0] > returned_at
+
+
+def _returned(model):
+    tower = _tower(model) if not unknown_tower(model) else None
+    if tower is None:
+        return
+    calls = _count_tower_calls(tower)
+    if calls is not None:
+        _RETURNED_AT[model] = calls[0]
+
+
 def _forward(wrapped, instance, args, kwargs):
     """Around ``<Family>Model.forward(self, ...)``: a text-only micro-batch runs the dummy image path.
 
@@ -232,6 +295,13 @@ def _forward(wrapped, instance, args, kwargs):
     model = instance if instance is not None else args[0]
     if _distributed_world() <= 1:
         return wrapped(*args, **kwargs)
+    try:
+        return _distributed_forward(wrapped, instance, model, args, kwargs)
+    finally:
+        _returned(model)
+
+
+def _distributed_forward(wrapped, instance, model, args, kwargs):
     try:
         bound = _bound(wrapped, instance is not None, args, kwargs)
     except TypeError:
@@ -272,6 +342,9 @@ def _forward(wrapped, instance, args, kwargs):
         zero_contribution(model, (ids if ids is not None else embeds).device, run)
         return wrapped(*args, **kwargs)
     if embeds is not None:
+        if run is None and caller_ran_tower(model):  # the caller ran the tower for this micro-batch itself
+            STATS["caller_ran_tower"] += 1
+            return wrapped(*args, **kwargs)
         given["inputs_embeds"] = _with_zero(embeds, zero_contribution(model, embeds.device, run))
         return wrapped(*bound.args, **bound.kwargs)
     done = []
