@@ -10,7 +10,12 @@ parameters are held in full on every rank for longer than around their own
 read: that is the cost of the fix, printed in parameters and bf16 MiB.
 Persistent (sharded) memory does not change.
 
-    python benchmarks/moved_params.py [--json]
+    python benchmarks/moved_params.py [--json] [FAMILY ...]
+
+Every family the selection patches cover is measured, or printed as skipped
+with the reason (not in this transformers; no real-size config:
+``tests/support/real_size.MISSING``).  Run in every pinned set by
+``tests/tooling/test_benchmarks.py``.
 """
 
 import argparse
@@ -98,15 +103,20 @@ def main(argv=None):
     # The families whose patch fixes the selection, plus Qwen3-VL, whose called
     # pos_embed the corrected rule also moves (no patch needed for it).
     covered = dict(registry.selection_model_types(), qwen3_vl="(none needed)")
-    rows = []
+    from support.real_size import MISSING
+
+    rows, skipped = [], {}
     for family in args.families or covered:
-        if tiny_models.available(family) is not True:
+        # Said, never silently dropped: a family this transformers lacks, or one without real-size numbers.
+        available = tiny_models.available(family)
+        if available is not True or family in MISSING:
+            skipped[family] = MISSING.get(family) or available
             continue
         row = measure(family)
         row["patch"] = covered.get(family, "")
         rows.append(row)
     if args.json:
-        json.dump(rows, sys.stdout, indent=2)
+        json.dump({"rows": rows, "skipped": skipped}, sys.stdout, indent=2)
         print()
         return 0
     print("%-15s %-14s %14s %11s %8s %9s %14s  %s" % (
@@ -116,6 +126,8 @@ def main(argv=None):
             r["family"], r["patch"], r["total_params"], r["moved_params"],
             100.0 * r["moved_params"] / r["total_params"], r["moved_bf16_mib"], r["nested_params_merged"],
             ", ".join(r["moved"]) or "-"))
+    for family, reason in skipped.items():
+        print("%-15s skipped: %s" % (family, reason))
     return 0
 
 

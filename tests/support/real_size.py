@@ -9,14 +9,34 @@ from fsdp2_compat.tooling import tiny
 from fsdp2_compat.tooling.tiny.configs import CLASSES, rope as _rope, tf_major as _tf_major
 
 
+# Families whose config class's defaults are, by its docstring, the named checkpoint ("a similar configuration to
+# that of ..."): transformers itself carries the published dimensions, so they are not copied here.
+DEFAULTS_ARE = {
+    "step3p7": "stepfun-ai/Step-3.7-Flash",
+    "glm_image": "zai-org/GLM-Image",
+    "cosmos3_edge": "nvidia/Cosmos3-Edge",
+    "chameleon": "facebook/chameleon-7b",
+}
+# Catalogued families without a real-size config, and why (benchmarks print these rather than guess numbers).
+MISSING = {
+    "hunyuan_vl": "HunYuanVLConfig's defaults build no model (no rope parameters) and name no checkpoint; "
+                  "HunyuanOCR's dimensions are not copied here yet",
+    "deepseek_ocr2": "DeepseekOcr2Config's defaults build no model (no vision sub-configs); "
+                     "DeepSeek-OCR-2's dimensions are not copied here yet",
+}
+
 
 def real_size_config(family: str):
     """Config with the published dimensions of a named checkpoint.
 
     Numbers are hand-copied from the checkpoints' config.json / model cards
-    (named per family below); they are for counting parameters on the meta
-    device, not for loading weights.
+    (named per family below), or transformers' own defaults where its
+    docstring names the checkpoint (``DEFAULTS_ARE``); they are for counting
+    parameters on the meta device, not for loading weights.  A family in
+    ``MISSING`` raises ``LookupError`` with the reason.
     """
+    if family in MISSING:
+        raise LookupError(f"no real-size config for {family!r}: {MISSING[family]}")
     tiny._require(family)
     return tiny.quiet(_real_config, family)
 
@@ -200,5 +220,13 @@ def _real_config(family: str):
         return cfg_cls(
             audio_config=audio, text_config=text, audio_token_id=151669, tie_word_embeddings=False
         )
+    if family in DEFAULTS_ARE:
+        if family == "chameleon":
+            # The model maps every codebook entry to a BPE token by name; the ids do not change any size.
+            codes = cfg_cls().vq_config.num_embeddings
+            vocab = {"<image>": 8711}
+            vocab.update(("IMGIMG" + "".join(chr(ord("A") + int(d)) for d in str(i)) + "Z", 4 + i) for i in range(codes))
+            return cfg_cls(vocabulary_map=vocab)
+        return cfg_cls()
     raise ValueError(f"unknown family {family!r}")
 

@@ -1,0 +1,150 @@
+"""Every script in ``benchmarks/`` runs, as a smoke run, on the stacks it measures: none can rot unnoticed.
+
+Each runs as a user runs it (``python benchmarks/X.py``), with its smallest
+counts (``--runs 1``, ``--calls 100``); no timing is asserted (these machines
+are shared and noisy), only that it finishes and prints what it measures.
+Which sets run each one is its ``depends_on`` marker: what the script reads
+(torch's FSDP2 internals; transformers' model classes; verl's fused forward).
+``benchmarks/startup.py`` runs in ``tests/activation/test_processes.py``,
+on the wheel built there.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from fsdp2_compat.core import guards
+
+# The releases this module's outcome depends on: .ci/test runs it once per distinct set of them (.ci/matrix.py).
+# Each test narrows it with a depends_on marker.
+DEPENDS_ON = ("torch", "transformers")
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BENCHMARKS = os.path.join(REPO, "benchmarks")
+# Every benchmark and the test that runs it (a new script without a row fails test_every_benchmark_is_run).
+RUN_BY = {
+    "alias_scan.py": "test_alias_scan_benchmark_runs",
+    "guard_cost.py": "test_guard_cost_benchmark_runs",
+    "import_cost.py": "test_import_cost_benchmark_runs_and_imports_nothing_heavy",
+    "lm_head_gather.py": "test_lm_head_gather_benchmark_runs",
+    "lm_head_release.py": "test_lm_head_release_benchmark_runs",
+    "mixed_ranks.py": "test_mixed_ranks_benchmark_runs",
+    "moe_experts.py": "test_moe_experts_benchmark_runs",
+    "moved_params.py": "test_moved_params_benchmark_covers_every_selection_family",
+    "seam_calls.py": "test_seam_calls_benchmark_runs",
+    "startup.py": "tests/activation/test_processes.py::test_startup_benchmark_runs_and_imports_nothing_heavy",
+}
+
+
+def _run(script, *args, timeout=300):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # A benchmark's rank processes start their own interpreters: they find this checkout as the test run does.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
+    proc = subprocess.run([sys.executable, os.path.join(BENCHMARKS, script), *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, "benchmarks/%s %s exited %d:\n%s\n%s" % (
+        script, " ".join(args), proc.returncode, proc.stdout[-3000:], proc.stderr[-3000:])
+    return proc.stdout
+
+
+def _needs(*modules):
+    import importlib.util
+
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip("needs %s (not in this venv)" % ", ".join(missing))
+
+
+@pytest.mark.depends_on()
+def test_every_benchmark_is_run():
+    scripts = sorted(n for n in os.listdir(BENCHMARKS) if n.endswith(".py"))
+    assert scripts == sorted(RUN_BY), "a benchmark without a smoke run here (add it to RUN_BY and a test): %s" % (
+        sorted(set(scripts) ^ set(RUN_BY)))
+    here = open(__file__, encoding="utf-8").read()
+    for test in RUN_BY.values():
+        path, _, name = test.rpartition("::")
+        source = here if not path else open(os.path.join(REPO, path), encoding="utf-8").read()
+        assert "def %s(" % name in source, test
+
+
+@pytest.mark.depends_on("python")
+def test_import_cost_benchmark_runs_and_imports_nothing_heavy():
+    out = _run("import_cost.py", "--runs", "1")
+    assert "heavy modules imported: []" in out
+
+
+@pytest.mark.depends_on("torch")
+def test_alias_scan_benchmark_runs():
+    _needs("torch", "transformers")
+    out = _run("alias_scan.py", "--runs", "1")
+    assert "apply() + revert() of every patch" in out
+
+
+@pytest.mark.depends_on("torch")
+def test_seam_calls_benchmark_runs():
+    _needs("torch")
+    out = json.loads(_run("seam_calls.py", "--calls", "100", "--json"))
+    assert out, "seam_calls printed no measurement"
+
+
+@pytest.mark.depends_on("torch")
+def test_mixed_ranks_benchmark_runs():
+    _needs("torch", "transformers")
+    out = _run("mixed_ranks.py")
+    assert "without the dummy the ranks hang" in out
+
+
+@pytest.mark.depends_on("torch")
+def test_guard_cost_benchmark_runs():
+    _needs("torch", "transformers")
+    out = json.loads(_run("guard_cost.py", "--steps", "1", "--json"))
+    assert out, "guard_cost printed no measurement"
+
+
+@pytest.mark.depends_on("torch")
+def test_moe_experts_benchmark_runs():
+    _needs("torch", "transformers")
+    assert _run("moe_experts.py", "--smoke").strip(), "moe_experts printed nothing"
+
+
+@pytest.mark.depends_on("transformers")
+def test_moved_params_benchmark_covers_every_selection_family():
+    """Each family a selection patch covers is measured at real size, or named as skipped with its reason."""
+    _needs("torch", "transformers")
+    from fsdp2_compat import registry
+
+    sys.path.insert(0, os.path.join(REPO, "tests"))
+    from support.real_size import MISSING
+
+    out = json.loads(_run("moved_params.py", "--json"))
+    measured = {row["family"] for row in out["rows"]}
+    for family in registry.selection_model_types():
+        assert family in measured or family in out["skipped"], family
+    for family, reason in out["skipped"].items():
+        # Only two reasons: this transformers lacks the family, or real_size says why it has no numbers.
+        assert family in MISSING or "transformers" in reason, (family, reason)
+    assert all(row["total_params"] > 10**8 for row in out["rows"]), "a real-size model came out tiny"
+
+
+def _verl_fused_09():
+    _needs("torch", "transformers", "verl")
+    version = guards.installed_version("verl")
+    if not guards.in_range(version, ">=0.9"):
+        pytest.skip("written for verl 0.9's fused forward (plain full_tensor()); verl %s here" % version)
+
+
+@pytest.mark.depends_on("torch", "transformers", "verl")
+def test_lm_head_gather_benchmark_runs():
+    _verl_fused_09()
+    out = _run("lm_head_gather.py")
+    assert "unaveraged gradient" in out
+
+
+@pytest.mark.depends_on("torch", "transformers", "verl")
+def test_lm_head_release_benchmark_runs():
+    _verl_fused_09()
+    out = _run("lm_head_release.py")
+    assert "micro-batch 0" in out
