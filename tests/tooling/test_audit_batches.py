@@ -105,3 +105,18 @@ def test_a_family_outside_the_catalogue_from_its_config_json_alone(capsys, tmp_p
     assert rep["divergence"]["kinds"] == ["text"]
     assert findings and all(f["experts"] and f["patch"] is None for f in findings), findings
     assert all(f["nccl"].startswith(("hang", "wrong gradient")) for f in findings), findings
+
+
+def test_the_sweep_shows_divergence_and_the_bug_classes_left_per_plan():
+    import importlib
+
+    report_mod = importlib.import_module("fsdp2_compat.tooling.audit.report")  # the package exports a function
+
+    rows = report_mod.sweep(families=["qwen2_5_vl"], plans=("fixed",))
+    (row,) = rows
+    assert {f["unit"] for f in row["divergence"]["findings"]} >= {"model.visual.blocks.0"}
+    assert row["divergence"]["remaining"] == []  # with qwen2vl every kind runs the tower once
+    before, after = row["classes"]
+    assert "divergence" in before and after == "none"
+    table = report_mod.format_sweep(rows, markdown=True)
+    assert "| qwen2_5_vl | fixed |" in table and "-> none |" in table

@@ -52,6 +52,8 @@ def add_arguments(parser):
                         help="audit every available vision/audio tiny family under verl, skyrl, areal, "
                              "llamafactory, fixed and hyperparallel (ignores the model and plan options)")
     parser.add_argument("--markdown", action="store_true", help="with --sweep: a Markdown table")
+    parser.add_argument("--no-batches", action="store_true",
+                        help="with --sweep: leave out the divergence audit (raw reads only, as before)")
 
 
 def _check_plan_arg(plan):
@@ -70,13 +72,13 @@ def run(args):
     fsdp2_compat.revert()  # audit upstream as released: nothing of ours applied in this process
     try:
         if args.sweep:
-            rows = sweep()
+            rows = sweep(batches=not args.no_batches)
             if args.json:
                 json.dump(rows, sys.stdout, indent=2)
                 sys.stdout.write("\n")
             else:
                 print(format_sweep(rows, markdown=args.markdown))
-            return 1 if any(r.get("hazards") for r in rows) else 0
+            return 1 if any(r.get("hazards") or (r.get("divergence") or {}).get("findings") for r in rows) else 0
         if not (args.model or args.config or args.config_json):
             raise AuditInputError("say what to audit: --model FAMILY (one of %s), --config CLASSNAME or "
                                   "--config-json PATH" % ", ".join(_families()))

@@ -4,7 +4,7 @@ from fsdp2_compat.tooling.verl_batches import add_verl_position_ids
 
 from .findings import AuditInputError, Finding
 from .ownership import plan_problems
-from .plans import INSTALLED_PLANS, PLANS, SWEEP_PLANS, describe_plan, layer_classes_of, plan_modules
+from .plans import INSTALLED_PLANS, PLANS, SWEEP_PLANS, UPSTREAM_PLANS, describe_plan, layer_classes_of, plan_modules
 from .tracker import audit
 
 
@@ -119,8 +119,11 @@ def _format_hazards(rep):
     return lines
 
 
-def sweep(families=None, plans=SWEEP_PLANS):
-    """Audit tiny families x plans (unfused); rows of dicts for ``format_sweep``."""
+def sweep(families=None, plans=SWEEP_PLANS, batches=True):
+    """Audit tiny families x plans (unfused); rows of dicts for ``format_sweep``.
+
+    ``batches``: also the divergence audit (``divergence.for_model``, the family's default batch kinds,
+    unpatched and with its patch; computed once per distinct set of units) and ``bug_classes``."""
     from fsdp2_compat.core import guards
     from fsdp2_compat.tooling import tiny as tiny_models
 
@@ -134,6 +137,7 @@ def sweep(families=None, plans=SWEEP_PLANS):
             continue
         model = tiny_models.build(family)
         batch = tiny_models.make_batch(family, model, seed=0)
+        diverged = {}  # units -> divergence: plans with the same units diverge alike
         for plan in plans:
             if plan in INSTALLED_PLANS and guards.installed_version(plan) is None:
                 rows.append({"family": family, "plan": plan, "skipped": "%s not installed" % plan})
@@ -143,22 +147,91 @@ def sweep(families=None, plans=SWEEP_PLANS):
             except AuditInputError as exc:  # upstream cannot take this model under this plan at all
                 rows.append({"family": family, "plan": plan, "skipped": str(exc).split(". ")[0]})
                 continue
-            rows.append({"family": family, "plan": plan, "units": len(rep["units"]),
-                         "hazards": rep["hazards"], "plan_problems": rep["plan_problems"], "notes": rep["notes"]})
+            row = {"family": family, "plan": plan, "units": len(rep["units"]),
+                   "hazards": rep["hazards"], "plan_problems": rep["plan_problems"], "notes": rep["notes"]}
+            if batches:
+                key = (plan in UPSTREAM_PLANS, tuple(rep["units"]))
+                if key not in diverged:
+                    diverged[key] = _sweep_divergence(family, plan)
+                row["divergence"] = diverged[key]
+                row["classes"] = bug_classes(row, family)
+            rows.append(row)
     return rows
 
 
+def _sweep_divergence(family, plan):
+    from fsdp2_compat.tooling import tiny as tiny_models
+
+    from . import divergence
+
+    try:
+        return divergence.for_model(lambda: tiny_models.build(family), family, divergence.default_kinds(family), plan)
+    except AuditInputError as exc:
+        return {"kinds": [], "findings": [], "notes": [str(exc)]}
+
+
+def bug_classes(row, family):
+    """``(unpatched, with the package)``: which of the bug classes this family x plan has on this stack.
+
+    ``raw read`` (a hazard: the first-step mixed Tensor/DTensor crash), ``divergence`` (a unit the batch
+    kinds or token routing enter or reduce-scatter differently: hang or wrong gradient), ``accumulation``
+    (torch 2.7-2.14.1 with deferred sync crashes on a unit a micro-batch left unused: derived from the
+    divergence, fixed by every patch carrying torch's accumulation targets).  The fourth class, the
+    unaveraged ``lm_head`` gradient, needs a fused forward (``--fused``; TRL): not in the sweep."""
+    from fsdp2_compat import registry
+    from fsdp2_compat.core import guards
+
+    before, after = [], []
+    if row["hazards"]:
+        before.append("raw read")
+        if any(h["patch"] is None for h in row["hazards"]):
+            after.append("raw read")
+    div = row.get("divergence") or {}
+    found = div.get("findings") or []
+    remaining = div.get("remaining")
+    if found:
+        before.append("divergence")
+    if (remaining if remaining is not None else [f for f in found if f["patch"] is None]):
+        after.append("divergence")
+    torch_version = guards.installed_version("torch")
+    if (found or remaining) and torch_version and guards.in_range(torch_version, ">=2.7.0,<=2.14.1"):
+        before.append("accumulation")
+        listed = registry.for_model_type(family)
+        if listed is None or not any(t in registry.GRAD_ACCUMULATION for t in listed.targets):
+            after.append("accumulation")
+    return ", ".join(before) or "none", ", ".join(after) or "none"
+
+
+def _divergence_cell(findings):
+    if not findings:
+        return "none"
+    cells = ["%s (%s)" % (f["unit"] or "<root>", "experts" if f["experts"] else "/".join(f["labels"]))
+             for f in findings[:3]]
+    return "; ".join(cells) + (" +%d more" % (len(findings) - 3) if len(findings) > 3 else "")
+
+
 def format_sweep(rows, markdown=False):
+    batches = any("divergence" in r for r in rows)
     head = ("family", "plan", "units", "hazards (parameter <- reader, op)", "covering patch", "plan problems")
+    if batches:
+        head += ("divergence (unit: batch kinds)", "left with the package", "bug classes: unpatched -> with the package")
     body = []
     for r in rows:
         if "skipped" in r:
-            body.append((r["family"], r["plan"], "-", "skipped: " + r["skipped"], "-", "-"))
+            body.append((r["family"], r["plan"], "-", "skipped: " + r["skipped"], "-", "-") + (("-",) * 3 if batches else ()))
             continue
         hz = "; ".join("%s <- %s, %s" % (h["param"], h["reader_class"], h["op"]) for h in r["hazards"]) or "none"
         patches = "; ".join(h["patch"] or "none (gap)" for h in r["hazards"]) or "-"
         problems = "; ".join(f["short"] for f in list(r["plan_problems"]) + list(r.get("notes", ()))) or "-"
-        body.append((r["family"], r["plan"], str(r["units"]), hz, patches, problems))
+        row = (r["family"], r["plan"], str(r["units"]), hz, patches, problems)
+        if batches:
+            div = r.get("divergence") or {}
+            found, notes, remaining = div.get("findings") or [], div.get("notes") or [], div.get("remaining")
+            cell = _divergence_cell(found) if found or not notes else "not measured: the forward fails first"
+            left = remaining if remaining is not None else [f for f in found if f["patch"] is None]
+            unknown = remaining is None and not found and notes  # the patched forward failed too (or no patch)
+            row += (cell, "not measured" if unknown else _divergence_cell(left), "%s -> %s" % r["classes"])
+        body.append(row)
     if markdown:
         out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         out += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in body]
