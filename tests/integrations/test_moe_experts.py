@@ -132,7 +132,7 @@ def test_the_older_torch_path_gives_the_same_exact_gradients(framework):
 
 
 @pytest.mark.skipif(LOOPED, reason="transformers %s keeps experts in a skipping loop (the tests above)" % TRANSFORMERS)
-@pytest.mark.parametrize("framework", ["verl", "skyrl"])
+@pytest.mark.parametrize("framework", ["verl", "skyrl", "areal", "llamafactory", "accelerate"])
 def test_3d_experts_are_exact_unpatched(framework):
     _installed(framework)
     results, stderr, differ = moe_jobs.run(framework, "qwen3_moe", None)
