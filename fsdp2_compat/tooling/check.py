@@ -35,6 +35,8 @@ GLM-4.5V and Qwen3-MoE through the first installed framework's wrapping): on
 transformers 4.x unpatched gloo aborts on the reduce-scatters of different
 sizes, patched every gradient matches the data-parallel average; on 5.x the
 experts are 3-D parameters and upstream runs fine (``tooling.moe_scenarios``).
+The audit's rank divergence ("audit divergence": every batch kind a family
+takes, on one CPU process) adds a row per family of ``divergence_check``.
 
 Last, the whole path users run: GLM-4.1V through each installed training
 engine that runs on CPU here (verl's FSDP engine, SkyRL's FSDPStrategy; see
@@ -271,9 +273,11 @@ def run_checks(families=None, frameworks=None, progress=None):
     from fsdp2_compat import integrations
     from fsdp2_compat.core import guards
 
-    from . import mixed, moe_scenarios, scenarios
+    from . import divergence_check, mixed, moe_scenarios, scenarios
 
     torch.manual_seed(0)
+    # The audit's divergence rows shard on a fake process group of their own: before the check's gloo group.
+    audit_rows = divergence_check.rows(families, progress) if not dist.is_initialized() else []
     owns_group = not dist.is_initialized()
     if owns_group:
         dist.init_process_group(
@@ -359,6 +363,7 @@ def run_checks(families=None, frameworks=None, progress=None):
             elif kind == moe_scenarios.KIND:
                 unpatched = moe_scenarios.run_case(framework, family, patch, unpatched=True)
                 patched = moe_scenarios.run_case(framework, family, patch)
+
             elif kind in ENGINES:
                 unpatched = _engine(kind, family, None, models.name)
                 patched = _engine(kind, family, patch, models.name)
@@ -371,7 +376,7 @@ def run_checks(families=None, frameworks=None, progress=None):
         warnings.filters[:] = saved_filters
         if owns_group:
             dist.destroy_process_group()
-    return rows
+    return rows + audit_rows
 
 
 def _print_outputs(row):
