@@ -11,7 +11,7 @@ unsharded reference trained on the data-parallel average
   layer's unit and gloo aborts; patched (``moe``, GLM-4.5V under ``glm4v``),
   every gradient is the DP average (fp32 exact; sync every step and deferred;
   bf16 parameters with an fp32 reduce within bf16 tolerance), through verl's,
-  SkyRL's and skyrl-train's ``apply_fsdp2`` and accelerate's
+  SkyRL's and skyrl-train's ``apply_fsdp2``, LLaMA-Factory's ``FSDP2Engine`` and accelerate's
   ``Accelerator.prepare`` (the HF Trainer's and TRL's preparation), and on the
   path ``fixes.experts`` takes on a torch without ``reduce_scatter_unused_params``;
 - transformers 5.x (3-D experts) and Qwen3-VL-MoE on 4.57 (3-D already): the
@@ -35,7 +35,7 @@ MISMATCH = "Received data size doesn't match expected size"
 TOL = 1e-5
 BF16_GRAD, BF16_REL_TO_MAX = 1e-2, 6e-2  # bf16 compute against a bf16 reference (routing alike), fp32 reduce
 
-FRAMEWORKS = ("verl", "skyrl", "skyrl-train", "accelerate")
+FRAMEWORKS = ("verl", "skyrl", "skyrl-train", "llamafactory", "accelerate")
 TEXT_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v2", "deepseek_v3", "glm4_moe")
 
 needs_loop = pytest.mark.skipif(not LOOPED, reason="transformers %s keeps experts as 3-D parameters (every rank has "
