@@ -179,3 +179,21 @@ def missing(where, what):
         import logging
 
         logging.getLogger("fsdp2_compat").warning(message)
+
+
+def before_each_call(module, attr, what, before):
+    """``{attr: wrapper}``: each call of ``module.attr`` first runs ``before(self)`` (the method's receiver,
+    however it was called), then upstream's code unchanged.  A call without a receiver is ``missing(what)``."""
+    import wrapt
+
+    signature = signature_of(module, attr)
+
+    def _before(wrapped, instance, args, kwargs):
+        receiver = signature.receiver(instance, args, kwargs)
+        if receiver is None:
+            missing(signature.where, what)
+        else:
+            before(receiver)
+        return wrapped(*args, **kwargs)
+
+    return {attr: wrapt.FunctionWrapper(lookup(module, attr), _before)}

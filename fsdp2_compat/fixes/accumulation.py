@@ -94,18 +94,6 @@ def make_gradients_uniform(group):
 
 def uniform_seam(module, attr):
     """``{"FSDPParamGroup.post_backward": wrapper}``: one gradient dtype per synchronising reduce."""
-    import wrapt
-
     from ..core import calls
 
-    signature = calls.signature_of(module, attr)
-
-    def _uniform_post_backward(wrapped, instance, args, kwargs):
-        group = signature.receiver(instance, args, kwargs)
-        if group is None:
-            calls.missing(signature.where, "its FSDPParamGroup (self)")
-        else:
-            make_gradients_uniform(group)
-        return wrapped(*args, **kwargs)
-
-    return {attr: wrapt.FunctionWrapper(calls.lookup(module, attr), _uniform_post_backward)}
+    return calls.before_each_call(module, attr, "its FSDPParamGroup (self)", make_gradients_uniform)

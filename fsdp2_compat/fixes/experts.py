@@ -186,19 +186,11 @@ def _warn_once(block, why):
 
 def block_seam(module, attr):
     """``{attr: wrapper}`` for the method of a MoE block class that runs only the experts tokens reach."""
-    import wrapt
-
     from ..core import calls
 
-    signature = calls.signature_of(module, attr)
+    return calls.before_each_call(module, attr, "its MoE block (self)", _seen)
 
-    def _every_expert_reduced(wrapped, instance, args, kwargs):
-        block = signature.receiver(instance, args, kwargs)
-        if block is None:
-            calls.missing(signature.where, "its MoE block (self)")
-        else:
-            STATS["blocks_seen"] += 1
-            cover(block)
-        return wrapped(*args, **kwargs)
 
-    return {attr: wrapt.FunctionWrapper(calls.lookup(module, attr), _every_expert_reduced)}
+def _seen(block):
+    STATS["blocks_seen"] += 1
+    cover(block)
