@@ -277,7 +277,11 @@ def run_checks(families=None, frameworks=None, progress=None):
 
     torch.manual_seed(0)
     # The audit's divergence rows shard on a fake process group of their own: before the check's gloo group.
-    audit_rows = divergence_check.rows(families, progress) if not dist.is_initialized() else []
+    tf = guards.installed_version("transformers")
+    audit_rows = [dict(_row("transformers", tf, family, patch, divergence_check.KIND, unpatched, patched),
+                       fixed=patched.get("error") is None)
+                  for family, patch, unpatched, patched in
+                  (divergence_check.results(families, progress) if not dist.is_initialized() else [])]
     owns_group = not dist.is_initialized()
     if owns_group:
         dist.init_process_group(

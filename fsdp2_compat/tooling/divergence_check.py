@@ -66,19 +66,14 @@ def run_case(family, patch):
     return unpatched, {"error": None, "loss_err": None}
 
 
-def rows(families=None, progress=None):
-    """The check's rows (``check._row`` dicts), run with no process group up (the audit makes its own)."""
-    from fsdp2_compat.core import guards
-
-    from .check import _row
-
-    version = guards.installed_version("transformers")
+def results(families=None, progress=None):
+    """``[(family, patch, unpatched, patched)]`` for ``check``'s rows, run with no process group up (the
+    audit makes its own); ``fixed`` in a row means no unit diverges with the patch (``patched["error"]``
+    is None): the audit compares collectives, not a loss."""
+    todo = cases(families)
     out = []
-    for i, (family, patch) in enumerate(cases(families), 1):
+    for i, (family, patch) in enumerate(todo, 1):
         if progress:
-            progress("[audit %d/%d] transformers %s: %s (%s)" % (i, len(cases(families)), version, family, KIND))
-        unpatched, patched = run_case(family, patch)
-        # the audit compares collectives, not a loss: fixed means no unit diverges with the patch
-        out.append(dict(_row("transformers", version, family, patch, KIND, unpatched, patched),
-                        fixed=patched.get("error") is None))
+            progress("[audit %d/%d] %s (%s)" % (i, len(todo), family, KIND))
+        out.append((family, patch) + run_case(family, patch))
     return out
