@@ -13,8 +13,8 @@ derived from it (``for_model_type``, ``selection_model_types``).
 Rules that need the whole catalogue live here too (``siblings``).
 """
 
-from .integrations import (accelerate, areal, llamafactory, lmms_engine, skyrl, torch_fsdp, transformers_media,
-                           transformers_moe, trl, verl)
+from .integrations import (accelerate, areal, axolotl, llamafactory, lmms_engine, skyrl, torch_fsdp,
+                           transformers_media, transformers_moe, trl, verl)
 from .core.records import Patch
 
 # LLaMA-Factory 0.9.5's layer-class lookup, which ignores transformers 5.x's set _no_split_modules:
@@ -69,6 +69,11 @@ _ACCUM_DELETE = "when every torch you run is >= 2.15.0 (FSDP2 accumulation rewri
 TRL = trl.TARGETS
 _TRL_DELETE = "when TRL reads lm_head.weight through FSDP (not plain full_tensor()) in every release you run"
 
+# axolotl's fused LoRA kernels read a DoRA magnitude with plain full_tensor() (any model axolotl trains with DoRA and
+# its qkv / o / embedding kernels on FSDP2): carried with TRL's reads, by every patch whose families train through
+# accelerate (the trainers axolotl, TRL and the HF Trainer share).  Its delete condition is in its integration module.
+AXOLOTL = axolotl.TARGETS
+
 # accelerate's FSDP2 tail unit (under the HF Trainer, TRL, axolotl): 1.14.0 leaves a tied head in the root unit
 # (every tied model: textlm too), 1.14.0-1.15.0 leave a VLM's head alone without its decoder's norm.
 ACCELERATE_TIED = (accelerate.TIED_TAIL,)
@@ -97,7 +102,7 @@ PATCHES = (
         model_types={"glm4v": "GLM-4.1V", "glm4v_moe": "GLM-4.5V", "glm46v": "GLM-4.6V"},
         # verl serves GLM-4.5V / GLM-4.6V (glm4v_moe) through dense_common's fused forward.
         # verl's own GLM-4.1V forward runs on the transformers verl admits only with GLM4V_FORWARD.
-        targets=(WRAP_SELECTION + verl.GLM4V_FORWARD + verl.GLM4V_FUSED + verl.DENSE_FUSED + TRL + ACCELERATE
+        targets=(WRAP_SELECTION + verl.GLM4V_FORWARD + verl.GLM4V_FUSED + verl.DENSE_FUSED + TRL + AXOLOTL + ACCELERATE
                  + GRAD_ACCUMULATION + transformers_media.GLM4V + transformers_moe.GLM4V_MOE),
         references=_SELECTION_REFS + _LM_HEAD_REFS + _ACC_REFS + _ACCUM_REFS + _MIXED_REFS + _MOE_REFS,
         delete_when=(_SELECTION_DELETE + "; and " + _LM_HEAD_DELETE + "; and " + _TRL_DELETE + "; and " + _ACC_DELETE
@@ -108,7 +113,7 @@ PATCHES = (
         summary="verl fused kernels: `aten.mm.default` mixed Tensor/DTensor (0.7.1-0.8.0); silently **unaveraged "
         "`lm_head` gradient** from plain `full_tensor()` (0.9.x), and with a bf16 policy a dtype-mismatch crash",
         model_types={"qwen3_vl": "Qwen3-VL", "qwen3_vl_moe": "Qwen3-VL-MoE"},
-        targets=(verl.QWEN3_VL_FUSED + TRL + ACCELERATE + LF_LAYER_LOOKUP + GRAD_ACCUMULATION
+        targets=(verl.QWEN3_VL_FUSED + TRL + AXOLOTL + ACCELERATE + LF_LAYER_LOOKUP + GRAD_ACCUMULATION
                  + transformers_media.QWEN3_VL + verl.QWEN3_VL_FORWARD),
         references=_LM_HEAD_REFS + _ACC_REFS + _LF_REFS + _ACCUM_REFS + _MIXED_REFS,
         delete_when=(_LM_HEAD_DELETE + "; and " + _TRL_DELETE + "; and " + _ACC_DELETE + "; and " + _LF_DELETE + "; and "
@@ -119,7 +124,7 @@ PATCHES = (
         summary="verl fused kernels: `aten.mm.default` mixed Tensor/DTensor (the sharded `lm_head.weight` is read "
         "raw)",
         model_types={"qwen2_vl": "Qwen2-VL", "qwen2_5_vl": "Qwen2.5-VL"},
-        targets=(verl.QWEN2_VL_FUSED + TRL + ACCELERATE + LF_LAYER_LOOKUP + GRAD_ACCUMULATION
+        targets=(verl.QWEN2_VL_FUSED + TRL + AXOLOTL + ACCELERATE + LF_LAYER_LOOKUP + GRAD_ACCUMULATION
                  + transformers_media.QWEN2_VL + verl.QWEN2_VL_FORWARD),
         references=_LM_HEAD_REFS + _ACC_REFS + _LF_REFS + _ACCUM_REFS + _MIXED_REFS,
         delete_when=(_LM_HEAD_DELETE + "; and " + _TRL_DELETE + "; and " + _ACC_DELETE + "; and " + _LF_DELETE + "; and "
@@ -129,7 +134,7 @@ PATCHES = (
         name="qwen35",
         summary="verl fused kernels: unaveraged `lm_head` gradient (plain `full_tensor()`)",
         model_types={"qwen3_5": "Qwen3.5", "qwen3_5_moe": "Qwen3.5-MoE"},
-        targets=(verl.QWEN3_5_FUSED + TRL + ACCELERATE + LF_LAYER_LOOKUP + GRAD_ACCUMULATION
+        targets=(verl.QWEN3_5_FUSED + TRL + AXOLOTL + ACCELERATE + LF_LAYER_LOOKUP + GRAD_ACCUMULATION
                  + transformers_media.QWEN3_5),
         references=_LM_HEAD_REFS + _ACC_REFS + _LF_REFS + _ACCUM_REFS + _MIXED_REFS,
         delete_when=(_LM_HEAD_DELETE + "; and " + _TRL_DELETE + "; and " + _ACC_DELETE + "; and " + _LF_DELETE + "; and "
@@ -142,7 +147,7 @@ PATCHES = (
         note="and any other text-only causal LM verl serves through its dense_common fused forward; TRL's "
         "lm_head reads are gathered too (text models are already right under accelerate, whose tail unit holds "
         "the final norm)",
-        targets=verl.DENSE_FUSED + TRL + ACCELERATE_TIED,
+        targets=verl.DENSE_FUSED + TRL + AXOLOTL + ACCELERATE_TIED,
         references=_LM_HEAD_REFS + _ACC_REFS,
         delete_when=_LM_HEAD_DELETE + "; and " + _TRL_DELETE + "; and when every accelerate you run is >= 1.15.0",
     ),
@@ -156,7 +161,7 @@ PATCHES = (
         note="the text MoE families; GLM-4.5V's experts come with the glm4v patch, and Qwen3-VL-MoE and "
         "Qwen3.5-MoE keep 3-D experts in every release (nothing to fix). Also carries textlm's targets (verl's fused "
         "text forward, TRL's reads, accelerate 1.14.0's tied tail)",
-        targets=transformers_moe.TEXT + GRAD_ACCUMULATION + verl.DENSE_FUSED + TRL + ACCELERATE_TIED,
+        targets=transformers_moe.TEXT + GRAD_ACCUMULATION + verl.DENSE_FUSED + TRL + AXOLOTL + ACCELERATE_TIED,
         references=_MOE_REFS + _ACCUM_REFS + _LM_HEAD_REFS + _ACC_REFS,
         delete_when=(_MOE_DELETE + "; and " + _ACCUM_DELETE + "; and " + _LM_HEAD_DELETE + "; and " + _TRL_DELETE
                      + "; and when every accelerate you run is >= 1.15.0"),
@@ -166,7 +171,7 @@ PATCHES = (
         "wrap-time `RuntimeError: Cannot concatenate overlapping meshes` (transformers 5.x), or a mixed "
         "Tensor/DTensor read of the SigLIP2 `position_embedding` (untied checkpoints)",
         {"lfm2_vl": "LFM2-VL"},
-        TRL + ACCELERATE,
+        TRL + AXOLOTL + ACCELERATE,
         _SELECTION_DELETE + "; and " + _TRL_DELETE + "; and " + _ACC_DELETE,
         mixed=transformers_media.LFM2_VL,
     ),
@@ -194,7 +199,7 @@ PATCHES = (
         "`aten.add.Tensor got mixed torch.Tensor and DTensor` (vision `position_embedding` read raw; transformers "
         "< 5.15, from 5.15.0 it is called as a module)",
         {"paddleocr_vl": "PaddleOCR-VL"},
-        TRL + ACCELERATE,
+        TRL + AXOLOTL + ACCELERATE,
         _SELECTION_DELETE + "; and " + _TRL_DELETE + "; and " + _ACC_DELETE,
         mixed=transformers_media.PADDLEOCR_VL,
     ),
