@@ -50,16 +50,17 @@ from .outcomes import (  # noqa: F401  (re-exported: callers say engine.APPLIED)
 class _Applied:
     """Everything a successful apply changed, so revert can undo it."""
 
-    __slots__ = ("module", "swaps", "aliases")
+    __slots__ = ("module", "swaps", "aliases", "instances")
 
     def __init__(self, module):
         self.module = module
         self.swaps = []  # (attr, original, replacement)
         self.aliases = []  # (original, replacement, [(namespace, module name, key)])
+        self.instances = []  # objects that held the original bound to themselves (``instances.rebind``)
 
 
 class _TargetState:
-    __slots__ = ("target", "patches", "outcome", "applied", "hook")
+    __slots__ = ("target", "patches", "outcome", "applied", "hook", "late")
 
     def __init__(self, target):
         self.target = target
@@ -67,6 +68,7 @@ class _TargetState:
         self.outcome = None
         self.applied = None
         self.hook = None
+        self.late = False  # its module was imported before the request: objects may hold the original
 
 
 _lock = _thread.RLock()
@@ -162,6 +164,7 @@ def apply(names=None, strict=None):
                     state = _states[target.key] = _TargetState(target)
                 state.patches.add(name)
                 if state.hook is None and state.applied is None and state.outcome is None:
+                    state.late = target.module in sys.modules
                     state.hook = _make_hook(state)
                     state.outcome = Outcome(target, WAITING)
                     pending.append(state)
@@ -267,39 +270,20 @@ def _announce(state, outcome, patches, level):
         rebound = sorted({name for _, _, changed in state.applied.aliases for _, name, _ in changed})
         if rebound:
             outcome.detail += "; rebound aliases in " + ", ".join(rebound)
-    _report(outcome, patches)
+        if state.applied.instances:  # objects built before the request kept calling upstream's method
+            outcome.detail += "; rebound objects that held the original: " + ", ".join(
+                label for _, label, _, _, _ in state.applied.instances)
+    _log_outcome(outcome, patches)
     if level is not None and outcome.kind in PROBLEMS:
         raise Fsdp2CompatError(
             "fsdp2-compat (strict): %s for %s: %s" % (outcome.kind, outcome.target.key, outcome.detail)
         )
 
 
-def _report(outcome, patches=()):
-    log = _log()
-    message = "%s %s (%s): %s%s" % (
-        outcome.target.key,
-        outcome.found or "",
-        outcome.target.what,
-        outcome.kind,
-        " - " + outcome.detail if outcome.detail else "",
-    )
-    if outcome.kind in REFUSALS and patches:
-        from . import policy
+def _log_outcome(outcome, patches=()):
+    from .policy import log_outcome
 
-        # Requested and refused: never silent.  One line on stderr, and the
-        # WARNING on our logger (which Python prints itself when no handler
-        # is configured: then not twice).
-        line = policy.refusal_message(patches, outcome.target, outcome.found, outcome.detail)
-        log.warning(line)
-        if log.hasHandlers():
-            try:
-                sys.stderr.write(line + "\n")
-            except Exception:
-                pass
-    elif outcome.kind == FAILED:
-        log.warning(message)
-    else:
-        log.info(message)
+    log_outcome(outcome, patches)
 
 
 def _settle(state, module, strict=None):
@@ -317,7 +301,7 @@ def _settle(state, module, strict=None):
         verdict = policy.judge(target, module, found, _siblings(state), lookup, strict, is_ours)
         if verdict.action != policy.APPLY:
             return Outcome(target, verdict.kind, found, verdict.detail)
-        applied = _swap(target, module)
+        applied = _swap(target, module, state.late)
     except guards.Drift as exc:
         return Outcome(target, DRIFTED, found, str(exc))
     except guards.NotNeeded as exc:
@@ -354,8 +338,9 @@ def _resolve(dotted):
     return getattr(sys.modules[module_name], func)
 
 
-def _swap(target, module):
-    """Install every replacement of one seam, all or nothing."""
+def _swap(target, module, late=False):
+    """Install every replacement of one seam, all or nothing (``late``: also in objects that hold the original
+    bound to themselves, ``instances``)."""
     replacements = _resolve(target.seam)(module, target.attr)
     if target.attr not in replacements:
         raise TypeError("seam %s did not replace %s" % (target.seam, target.attr))
@@ -377,6 +362,10 @@ def _swap(target, module):
                 changed = []
                 applied.aliases.append((old, new, changed))
                 _rebind(old, new, {(module.__name__, attr)}, changed, target.key)
+            elif attr == target.attr and late:
+                from . import instances
+
+                applied.instances = instances.rebind(calls.owner_of(module, attr)[0], old, new)
     except BaseException:
         _undo(applied)
         raise
@@ -402,8 +391,13 @@ def _undo(applied):
         # Modules imported while the patch was on copied the replacement
         # (``from fsdp_utils import apply_fsdp2``): give them the original too.
         _rebind(new, old, (), [])
+    if applied.instances:
+        from . import instances
+
+        kept += instances.restore(applied.instances)
     applied.aliases.clear()
     applied.swaps.clear()
+    applied.instances = []
     return kept
 
 
@@ -433,7 +427,7 @@ def revert(names=None):
                 reverted.append(Outcome(state.target, REVERTED, state.outcome.found, detail))
             del _states[key]
     for outcome in reverted:
-        _report(outcome)
+        _log_outcome(outcome)
     return reverted
 
 

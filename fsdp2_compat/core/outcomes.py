@@ -78,3 +78,4 @@ class Outcome:
 
     def __repr__(self):
         return "Outcome(%s: %s%s)" % (self.target.key, self.kind, " - " + self.detail if self.detail else "")
+

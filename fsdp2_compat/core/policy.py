@@ -28,7 +28,7 @@ Stdlib only at import; ``guards`` imports packaging lazily.
 
 from . import guards
 from .config import STRICT_PROVEN
-from .outcomes import APPLIED, DRIFTED, NOT_NEEDED, OTHER_SEAM, UNSUPPORTED, VERSION
+from .outcomes import APPLIED, DRIFTED, FAILED, NOT_NEEDED, OTHER_SEAM, REFUSALS, UNSUPPORTED, VERSION
 
 APPLY = "apply"
 REFUSE = "refuse"
@@ -150,3 +150,28 @@ def refusal_message(patches, target, found, detail):
         "FSDP2_COMPAT_STRICT=1 to make this an error."
         % ("/".join(sorted(patches)), target.dist, found, target.what, detail, target.dist, ", ".join(spans))
     )
+
+
+def log_outcome(outcome, patches=()):
+    """Say what happened to a target on the ``fsdp2_compat`` logger: INFO, or a WARNING for a failure; a
+    requested patch refused is never silent (the WARNING, and one line on stderr where a handler would
+    otherwise swallow it)."""
+    import logging
+    import sys
+
+    log = logging.getLogger("fsdp2_compat")
+    message = "%s %s (%s): %s%s" % (outcome.target.key, outcome.found or "", outcome.target.what, outcome.kind,
+                                    " - " + outcome.detail if outcome.detail else "")
+    if outcome.kind in REFUSALS and patches:
+        # (Python prints the WARNING itself when no handler is configured: then not twice.)
+        line = refusal_message(patches, outcome.target, outcome.found, outcome.detail)
+        log.warning(line)
+        if log.hasHandlers():
+            try:
+                sys.stderr.write(line + "\n")
+            except Exception:
+                pass
+    elif outcome.kind == FAILED:
+        log.warning(message)
+    else:
+        log.info(message)
