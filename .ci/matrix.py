@@ -257,9 +257,11 @@ def _install_estimate(sets, out, path=INSTALLS):
     cold = {s: measured[s]["seconds"] for s in sets if s in measured and measured[s].get("built")}
     if not cold:
         return
-    out.write("expected install seconds on a machine without the venvs (%s; empty uv cache): %s = %d s;"
+    unmeasured = [s for s in sets if s not in cold]
+    out.write("expected install seconds on a machine without the venvs (%s; empty uv cache): %s = %d s%s;"
               " with the venvs built (stamps match): ~2 s a set\n"
-              % (os.path.basename(path), " ".join("%s %d" % (s, cold[s]) for s in sets if s in cold), sum(cold.values())))
+              % (os.path.basename(path), " ".join("%s %d" % (s, cold[s]) for s in sets if s in cold), sum(cold.values()),
+                 " (not measured yet: %s)" % ", ".join(unmeasured) if unmeasured else ""))
 
 
 def installs(out_path, lines):
