@@ -31,10 +31,12 @@ its message), patched every gradient matches the data-parallel average
 (``tooling.mixed``).
 
 MoE experts that the ranks' tokens reach differently ("MoE experts, 2 ranks",
-GLM-4.5V and Qwen3-MoE through the first installed framework's wrapping): on
-transformers 4.x unpatched gloo aborts on the reduce-scatters of different
-sizes, patched every gradient matches the data-parallel average; on 5.x the
-experts are 3-D parameters and upstream runs fine (``tooling.moe_scenarios``).
+GLM-4.5V and Qwen3-MoE through the first installed framework's wrapping), on
+the transformers releases that skip unreached experts (4.x): unpatched gloo
+aborts on the reduce-scatters of different sizes (or the experts' gradients
+mix silently), patched every gradient matches the data-parallel average
+(``tooling.moe_scenarios``); on 5.x (3-D experts) the audit rows below show
+that nothing diverges.
 The audit's rank divergence ("audit divergence": every batch kind a family
 takes, on one CPU process) adds a row per family of ``divergence_check``.
 
