@@ -27,9 +27,9 @@ pytest.importorskip("torch", reason="needs torch (real FSDP2 on CPU gloo)")
 pytest.importorskip("transformers", reason="needs transformers (tiny models)")
 pytest.importorskip("accelerate", reason="needs accelerate (axolotl prepares through it)")
 pytest.importorskip("peft", reason="needs peft (DoRA)")
-pytest.importorskip("bitsandbytes", reason="axolotl.kernels.lora imports bitsandbytes (set axolotl)")
-pytest.importorskip("triton", reason="axolotl.kernels.lora imports triton (set axolotl)")
-pytest.importorskip("axolotl", reason="needs axolotl (the code under test: set axolotl)")
+pytest.importorskip("bitsandbytes", reason="axolotl.kernels.lora imports bitsandbytes (set tf516)")
+pytest.importorskip("triton", reason="axolotl.kernels.lora imports triton (set tf516)")
+pytest.importorskip("axolotl", reason="needs axolotl (the code under test: set tf516)")
 
 from fsdp2_compat import registry  # noqa: E402
 from fsdp2_compat.core import guards  # noqa: E402
