@@ -9,7 +9,8 @@ built on the meta device (no weights, no memory):
   512x512 image: ``IMAGE_GRIDS``), counted by ``torch.utils.flop_counter``
   (forward only; backward is about twice the forward for both).  GLM4V's
   position-embedding interpolation calls ``.item()``, which the meta device
-  cannot: it is skipped for both grids (elementwise work, no matmul);
+  cannot: it is skipped for both grids (elementwise work, no matmul); transformers 5.24+ computes the
+  position indices, weights and ids from the grid on the CPU: they are moved to meta (index arithmetic);
 - collectives: the bytes the vision units move for that micro-batch (what an
   image rank moves anyway, and what a text-only rank would otherwise skip and
   hang on): per rank, bf16 all-gathers of the vision parameters in forward and
@@ -50,6 +51,34 @@ def _skip_position_interpolation(model):
         embeddings.forward = lambda hidden, *args, **kwargs: hidden
 
 
+# transformers 5.24+ computes these from the grid (a CPU tensor: its values are needed) in module functions.
+_GRID_FUNCTIONS = ("get_vision_interpolation_indices_and_weights", "get_vision_position_ids")
+
+
+def _grid_tensors_on_meta(model):
+    """On the meta device the position indices, weights and ids computed from the grid must be meta tensors too
+    (``_GRID_FUNCTIONS``); returns an undo.  Index arithmetic, no matmul: the FLOPs counted are the same."""
+    import sys
+
+    import torch
+
+    module = sys.modules[type(model.model.visual).__module__]
+    saved = {name: getattr(module, name) for name in _GRID_FUNCTIONS if hasattr(module, name)}
+
+    def on_meta(original):
+        def call(*args, **kwargs):
+            out = original(*args, **kwargs)
+            if isinstance(out, torch.Tensor):
+                return out.to("meta")
+            return tuple(t.to("meta") if isinstance(t, torch.Tensor) else t for t in out)
+
+        return call
+
+    for name, original in saved.items():
+        setattr(module, name, on_meta(original))
+    return lambda: [setattr(module, name, original) for name, original in saved.items()]
+
+
 def image_flops(model, grid):
     import torch
     from torch.utils.flop_counter import FlopCounterMode
@@ -57,8 +86,12 @@ def image_flops(model, grid):
     vision = model.config.vision_config
     width = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
     pixels = torch.zeros(grid[0] * grid[1] * grid[2], width, device="meta")
-    with FlopCounterMode(display=False) as counter:
-        model.model.get_image_features(pixels, torch.tensor([grid]))
+    undo = _grid_tensors_on_meta(model)
+    try:
+        with FlopCounterMode(display=False) as counter:
+            model.model.get_image_features(pixels, torch.tensor([grid]))
+    finally:
+        undo()
     return counter.get_total_flops()
 
 

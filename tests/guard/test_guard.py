@@ -104,8 +104,13 @@ def test_guard_and_the_accumulation_fix_compose():
     both on, deferred sync over mixed micro-batches gives exactly the gradients of the fix alone."""
     guarded = run_ranks(guard_jobs.accumulate, 2, True, "qwen2vl", pg_timeout=PG_TIMEOUT, timeout=300)
     plain = run_ranks(guard_jobs.accumulate, 2, False, "qwen2vl", pg_timeout=PG_TIMEOUT, timeout=300)
+    from fsdp2_compat.core import guards
+
+    # torch 2.15.0 rewrote accumulation: the fix declares itself not needed there and leaves post_backward alone
+    fix_wraps = guards.in_range(guards.installed_version("torch"), "<2.15.0")
     for rank in range(2):
-        assert guarded[rank]["wrapped"] == {"post_backward": "FunctionWrapper", "foreach_reduce": True}
+        assert guarded[rank]["wrapped"] == {"post_backward": "FunctionWrapper" if fix_wraps else "function",
+                                            "foreach_reduce": True}
         assert plain[rank]["wrapped"]["foreach_reduce"] is False and plain[rank]["checks"] == 0
         assert guarded[rank]["checks"] > 0
         g, p = guarded[rank]["grads"], plain[rank]["grads"]

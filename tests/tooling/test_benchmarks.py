@@ -87,7 +87,10 @@ def test_alias_scan_benchmark_runs():
 def test_seam_calls_benchmark_runs():
     _needs("torch")
     out = json.loads(_run("seam_calls.py", "--calls", "100", "--json"))
-    assert out, "seam_calls printed no measurement"
+    if guards.in_range(guards.installed_version("torch"), ">=2.15.0"):
+        assert "2.15.0 rewrote accumulation" in out["skipped"], out
+    else:
+        assert set(out) == {"torch", "instance-only", "seam"}, out
 
 
 @pytest.mark.depends_on("torch")

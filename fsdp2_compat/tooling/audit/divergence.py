@@ -131,6 +131,7 @@ def record(model, units, labelled):
             fully_shard(modules[name], mesh=mesh)
         fully_shard(model, mesh=mesh)
         for label, kwargs in labelled:
+            _forget_rope_deltas(model)
             current.clear()
             current.update(gathers={}, reduced={})
             model(**kwargs).loss.backward()
@@ -142,6 +143,15 @@ def record(model, units, labelled):
     finally:
         collectives.unlisten(listen)
         dist.destroy_process_group()
+
+
+def _forget_rope_deltas(model):
+    """Drop the M-RoPE offsets a Qwen/GLM VLM keeps from its last forward (for generation): each labelled
+    micro-batch is a fresh one, as in training (transformers 5.3.0's GLM-4.5V reuses them for a shorter
+    text micro-batch after an image one, and its rotary embedding then fails on the shapes)."""
+    for module in model.modules():
+        if getattr(module, "rope_deltas", None) is not None:
+            module.rope_deltas = None
 
 
 def compare(records, numels):
