@@ -117,23 +117,26 @@ def ensure_lmms_engine_utils_package():
 
     lmms-engine's ``utils/__init__.py`` imports ``train_utils`` (deepspeed) and
     ``data_utils`` (datasets, librosa); ``fsdp2_utils.py`` imports only torch and
-    ``lmms_engine.parallel.process_group_manager`` (torch).  Where the package
-    imports, it is a plain import.  Where it fails only because one of
-    ``LMMS_ENGINE_UTILS_DEPS`` is missing (the pinned test set installs lmms-engine
-    ``--no-deps``), ``lmms_engine.utils`` is registered without running its
-    ``__init__``: ``fsdp2_utils`` is still the released file, executed unchanged.
+    ``lmms_engine.parallel.process_group_manager`` (torch).  ``package_without_init``.
     """
-    if "lmms_engine.utils" in sys.modules:
+    package_without_init("lmms_engine.utils", LMMS_ENGINE_UTILS_DEPS)
+
+
+def package_without_init(name, absent_deps):
+    """Import package ``name``; where that fails only because one of ``absent_deps`` is missing (a pinned
+    test set installs the framework ``--no-deps``), register it without running its ``__init__``: its
+    modules are still the released files, executed unchanged when imported."""
+    if name in sys.modules:
         return
     try:
-        importlib.import_module("lmms_engine.utils")
+        importlib.import_module(name)
         return
     except ModuleNotFoundError as exc:
-        if (exc.name or "").split(".")[0] not in LMMS_ENGINE_UTILS_DEPS:
+        if (exc.name or "").split(".")[0] not in absent_deps:
             raise
-    for mod in [m for m in sys.modules if m.startswith("lmms_engine.utils")]:
+    for mod in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
         del sys.modules[mod]
-    _bare_package("lmms_engine.utils", "lmms_engine.utils, __init__ skipped (its deps are not installed)")
+    _bare_package(name, "%s, __init__ skipped (its deps are not installed)" % name)
 
 
 def _bare_package(name, doc):

@@ -50,17 +50,9 @@ def import_axolotl():
     """``(kernels.lora, monkeypatch.lora_kernels, monkeypatch.accelerate.fsdp2, utils.dict)`` as released."""
     import importlib
 
-    from fsdp2_compat.tooling.frameworks import _bare_package
+    from fsdp2_compat.tooling.frameworks import package_without_init
 
-    if "axolotl.utils.callbacks" not in sys.modules:
-        try:
-            importlib.import_module("axolotl.utils.callbacks")
-        except ModuleNotFoundError as exc:
-            if (exc.name or "").split(".")[0] not in CALLBACK_DEPS:
-                raise
-            for name in [m for m in sys.modules if m.startswith("axolotl.utils.callbacks")]:
-                del sys.modules[name]
-            _bare_package("axolotl.utils.callbacks", "axolotl.utils.callbacks, __init__ skipped (its deps are absent)")
+    package_without_init("axolotl.utils.callbacks", CALLBACK_DEPS)
     lora = importlib.import_module("axolotl.kernels.lora")
     kernels = importlib.import_module("axolotl.monkeypatch.lora_kernels")
     fsdp2 = importlib.import_module("axolotl.monkeypatch.accelerate.fsdp2")
