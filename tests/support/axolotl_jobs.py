@@ -25,7 +25,6 @@ and the ``fsdp2_prepare_model`` it installs are restored after each case.
 """
 
 import copy
-import sys
 import tempfile
 
 from fsdp2_compat.tooling import subset
