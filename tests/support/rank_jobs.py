@@ -251,10 +251,16 @@ def lm_head_traffic(rank, world, patches):
 
 
 def one_rank_dies(rank, world, seconds):
-    """The last rank leaves at once without reporting (as gloo's abort does); the others wait ``seconds``."""
+    """The last rank leaves at once without reporting (as gloo's abort does); the others wait ``seconds``.
+
+    A barrier first: every rank's gloo group is fully connected before one leaves (a rank still connecting
+    when its peer exits would fail in ``init_process_group`` and report that instead of waiting)."""
     import os
     import time
 
+    import torch.distributed as dist
+
+    dist.barrier()
     if rank == world - 1:
         os._exit(3)
     time.sleep(seconds)
