@@ -80,16 +80,12 @@ def expert_modules(block):
 
 def owning_groups(modules):
     """The FSDP2 parameter groups (``FSDPParamGroup``) that manage a parameter of any of ``modules``."""
-    try:
-        from torch.distributed._composable_state import _get_module_state, _module_state_mapping
-        from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
-    except ImportError:  # a torch without FSDP2's composable state: nothing manages them
-        return []
+    from .units import live_units
+
     wanted = {id(m) for m in modules}
     found = []
-    for module in list(_module_state_mapping.keys()):  # the values are (weak references to) the states
-        state = _get_module_state(module)
-        group = getattr(state, "_fsdp_param_group", None) if isinstance(state, FSDPState) else None
+    for _, state in live_units():
+        group = getattr(state, "_fsdp_param_group", None)
         if group is None or any(g is group for g in found):
             continue
         if any(id(fsdp_param._module_info.module) in wanted for fsdp_param in group.fsdp_params):

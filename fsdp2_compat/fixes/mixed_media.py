@@ -127,15 +127,9 @@ def _distributed_world():
 
 def _enclosing_unit_manages(tower):
     """True when some ``fully_shard`` unit that contains ``tower`` (the root, say) manages its parameters."""
-    try:
-        from torch.distributed._composable_state import _get_module_state, _module_state_mapping
-        from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
-    except ImportError:  # torch without FSDP2's composable state
-        return False
-    for module in list(_module_state_mapping.keys()):  # the values are (weak references to) the states
-        if isinstance(_get_module_state(module), FSDPState) and any(sub is tower for sub in module.modules()):
-            return True
-    return False
+    from .units import live_units
+
+    return any(any(sub is tower for sub in module.modules()) for module, _ in live_units())
 
 
 def tower_is_sharded(tower):
