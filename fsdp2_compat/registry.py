@@ -49,7 +49,8 @@ _LM_HEAD_DELETE = (
 
 # Mixed text/image micro-batches across ranks: the transformers forwards that skip the vision tower
 # on a text-only micro-batch, per family (fsdp2_compat.fixes.mixed_media).  Every target, for the tooling:
-MIXED_MEDIA = transformers_media.TARGETS
+# transformers' forwards, and the trainers' own forwards that replace them without a dummy (lmms-engine's)
+MIXED_MEDIA = transformers_media.TARGETS + lmms_engine.MIXED_MEDIA
 _MIXED_REFS = ("TRL issue #3934", "torchtitan issue #4777")
 _MIXED_DELETE = ("when transformers keeps every rank in the vision tower's collectives on text-only micro-batches in "
                  "every release you run")
@@ -114,7 +115,8 @@ PATCHES = (
         "`lm_head` gradient** from plain `full_tensor()` (0.9.x), and with a bf16 policy a dtype-mismatch crash",
         model_types={"qwen3_vl": "Qwen3-VL", "qwen3_vl_moe": "Qwen3-VL-MoE"},
         targets=(verl.QWEN3_VL_FUSED + TRL + AXOLOTL + ACCELERATE + LF_LAYER_LOOKUP + GRAD_ACCUMULATION
-                 + transformers_media.QWEN3_VL + verl.QWEN3_VL_FORWARD),
+                 + transformers_media.QWEN3_VL + verl.QWEN3_VL_FORWARD
+                 + (lmms_engine.QWEN3_VL_OPS, lmms_engine.QWEN3_VL_MOE_OPS)),
         references=_LM_HEAD_REFS + _ACC_REFS + _LF_REFS + _ACCUM_REFS + _MIXED_REFS,
         delete_when=(_LM_HEAD_DELETE + "; and " + _TRL_DELETE + "; and " + _ACC_DELETE + "; and " + _LF_DELETE + "; and "
                      + _ACCUM_DELETE + "; and " + _MIXED_DELETE),
@@ -125,7 +127,7 @@ PATCHES = (
         "raw)",
         model_types={"qwen2_vl": "Qwen2-VL", "qwen2_5_vl": "Qwen2.5-VL"},
         targets=(verl.QWEN2_VL_FUSED + TRL + AXOLOTL + ACCELERATE + LF_LAYER_LOOKUP + GRAD_ACCUMULATION
-                 + transformers_media.QWEN2_VL + verl.QWEN2_VL_FORWARD),
+                 + transformers_media.QWEN2_VL + verl.QWEN2_VL_FORWARD + (lmms_engine.QWEN2_5_VL_OPS,)),
         references=_LM_HEAD_REFS + _ACC_REFS + _LF_REFS + _ACCUM_REFS + _MIXED_REFS,
         delete_when=(_LM_HEAD_DELETE + "; and " + _TRL_DELETE + "; and " + _ACC_DELETE + "; and " + _LF_DELETE + "; and "
                      + _ACCUM_DELETE + "; and " + _MIXED_DELETE),

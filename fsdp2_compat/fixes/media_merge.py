@@ -218,6 +218,19 @@ def one_tower_call(model, arg):
     with for_this_call(model, get_image_features=lambda *a, **k: part("image", a, k),
                        get_video_features=lambda *a, **k: part("video", a, k)):
         yield
+    if not state["merged"] and not state["released"]:
+        # A forward that runs its tower without these two methods (lmms-engine's Qwen2.5-VL use_rmpad forward
+        # calls ``self.visual`` once per kind) cannot be merged here: say so rather than pass for fixed.
+        _warn_once(model, "its forward (%s) never called get_image_features / get_video_features: the images and "
+                   "the videos ran the tower its own way, once per kind, where a rank with one kind runs it once"
+                   % _forward_name(cls))
+
+
+def _forward_name(cls):
+    import inspect
+
+    forward = inspect.unwrap(cls.__dict__.get("forward", cls.forward))
+    return "%s.%s" % (getattr(forward, "__module__", "?"), getattr(forward, "__qualname__", "forward"))
 
 
 @contextlib.contextmanager

@@ -35,7 +35,10 @@ called at all on a text-only batch, and a hook installed where each framework
 wraps the model would need one seam per framework.  verl replaces this
 ``forward`` with its own (``apply_monkey_patch``), which already runs the
 dummy: there our wrapper is no longer on the class and does nothing (no second
-dummy).  ``needed_for`` says so for a model instance.
+dummy).  ``needed_for`` says so for a model instance.  lmms-engine's
+``use_rmpad`` forwards replace it with their own too, *without* a dummy: there
+the same wrapper is put on lmms-engine's function before it is assigned
+(``integrations.lmms_engine``).
 
 How, without re-implementing the forward: the wrapper (``wrapt``) leaves
 transformers' code as released.  For the duration of one call it hooks the
@@ -357,8 +360,11 @@ def _distributed_forward(wrapped, instance, model, args, kwargs):
 
 
 def forward_seam(module, attr):
-    """Seam for ``<transformers model module>:<Family>Model.forward``."""
+    """Seam for ``<transformers model module>:<Family>Model.forward``, or for a module-level function a
+    trainer assigns over it (lmms-engine's ``model_forward``: ``integrations.lmms_engine``); both take the
+    model first."""
     import wrapt
 
-    cls_name, _, method = attr.partition(".")
-    return {attr: wrapt.FunctionWrapper(module.__dict__[cls_name].__dict__[method], _forward)}
+    from ..core import calls
+
+    return {attr: wrapt.FunctionWrapper(calls.lookup(module, attr), _forward)}

@@ -1,4 +1,30 @@
-"""lmms-engine: the FSDP2 wrap selection, inline in ``apply_fsdp2`` (verl's loop).
+"""lmms-engine: the FSDP2 wrap selection (``apply_fsdp2``) and its own VLM forwards (``use_rmpad``).
+
+Two seams, two bug classes.  The selection is below.  The forwards:
+``trainer_args.use_rmpad`` (with ``use_liger_kernel``, lmms-engine's example
+configs) makes its Liger monkey patch (``apply_liger_kernel_to_qwen3_vl`` and
+siblings, ``MONKEY_PATCHER``) assign its own padding-free base-model forward
+over transformers' (``Qwen3VLModel.forward = qwen3_vl_ops.model_forward``;
+Qwen2.5-VL's ``vl_model_forward``, Qwen3-VL-MoE's and Qwen3.5's
+``model_forward``; Qwen3.5's is not covered, see ``MIXED_MEDIA``).  That replaces our mixed-ranks wrapper on the class, and
+lmms-engine's forward runs the vision tower only when the micro-batch has
+``pixel_values`` (no dummy): a text-only rank skips every vision unit's
+collectives while an image rank runs them, NCCL hangs, gloo aborts.  The
+targets below put the same wrapper (``fixes.mixed_media.forward_seam``) on
+lmms-engine's function in its module, before the monkey patch imports it (it
+imports it by name inside the patch function, at call time), so the class ends
+up holding the wrapped function.  Measured (0.1.4, transformers 5.8.0, 2 CPU
+gloo ranks, tiny Qwen3-VL / Qwen3-VL-MoE / Qwen2.5-VL, rank 0 image / rank 1
+text-only and the reverse): unpatched, gloo's ``Received data size doesn't match
+expected size``; patched, every gradient equals the unsharded data-parallel
+reference (``tests/integrations/test_lmms_engine_forwards.py``); Qwen3-VL with
+an image+video rank too (``fixes.media_merge``: one tower call).  Not fixed:
+Qwen2.5-VL's forward runs ``self.visual`` once per media kind, so an image+video
+micro-batch there still runs the tower twice; ``media_merge`` warns.  Request the patch before
+the monkey patch runs (the bootstrap does, at start-up): a class that already
+holds lmms-engine's unwrapped function keeps it.
+
+Selection:
 
 Module ``lmms_engine.utils.fsdp2_utils`` (``lmms_engine/utils/fsdp2_utils.py``):
 ``apply_fsdp2(model, fsdp_kwargs, fsdp_transformer_layer_cls_to_wrap=None)``
@@ -69,3 +95,39 @@ WRAP_SELECTION = Target(
     what="FSDP2 wrap selection (inline loop)",
     diff="wrap-selection",
 )
+
+
+# --- its own padding-free VLM forwards (use_rmpad) ---------------------------------------------------------------
+
+_MIXED_SEAM = "fsdp2_compat.fixes.mixed_media:forward_seam"
+_OPS_SYMPTOM = ("lmms-engine use_rmpad: one rank's micro-batch text-only and another's with an image: its own forward "
+                "skips the vision tower, NCCL **hangs**, gloo aborts (`Received data size doesn't match expected size`)")
+_OLDER = ("0.1.2 has the same text-only skip in other code (it pins transformers 4.57.1): not proven here; "
+          "use 0.1.4")
+
+
+def _ops(family, attr, fingerprint, older=_OLDER):
+    """lmms-engine 0.1.4's padding-free base-model forward of ``family`` (``lmms_engine.models.<family>.<family>_ops``);
+    0.1.2 has the same skip in other code (``older``), or no such module (``older=None``)."""
+    return Target(
+        dist="lmms-engine",
+        module="lmms_engine.models.%s.%s_ops" % (family, family),
+        attr=attr,
+        versions="==0.1.4",
+        fingerprints={"0.1.4": fingerprint},
+        seam=_MIXED_SEAM,
+        what="media tower skipped on a text-only micro-batch (lmms-engine's own %s forward)" % family,
+        unsupported={"==0.1.2": older} if older else None,
+        declared=None if older else {"<0.1.4": "no lmms_engine.models.%s (it arrived in 0.1.4)" % family},
+        symptom=_OPS_SYMPTOM,
+    )
+
+
+QWEN3_VL_OPS = _ops("qwen3_vl", "model_forward", "b035bc80e4c8cd69")
+QWEN2_5_VL_OPS = _ops("qwen2_5_vl", "vl_model_forward", "16d59531d1d03640")
+QWEN3_VL_MOE_OPS = _ops("qwen3_vl_moe", "model_forward", "9a9a004cf46bafcf", older=None)
+# Not here: Qwen3.5's qwen3_5_ops.model_forward (0.1.4, fingerprint 44ff74d6063c727f) has the same skip, but its
+# packed linear attention needs flash-linear-attention's CUDA kernels, so the fix was never run on it: no target
+# until it is proven (docs/enable.md says so).
+MIXED_MEDIA = (QWEN3_VL_OPS, QWEN2_5_VL_OPS, QWEN3_VL_MOE_OPS)
+TARGETS = (WRAP_SELECTION,) + MIXED_MEDIA
