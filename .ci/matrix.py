@@ -198,7 +198,7 @@ def _skips(set_pins, dists):
     they name (the display's guess; the tests themselves decide, by skipping)."""
     if "torch" in dists and set_pins.get("torch") is None:
         return True
-    frameworks = [d for d in dists if d in WRAPPING_FRAMEWORKS + ("trl", "axolotl")]
+    frameworks = [d for d in dists if d in WRAPPING_FRAMEWORKS + ("trl", "axolotl", "ms-swift")]
     return bool(frameworks) and all(set_pins.get(d) is None for d in frameworks)
 
 
