@@ -1,0 +1,155 @@
+"""ms-swift 4.6.0's own loader and templates on accelerate's FSDP2, 2 CPU gloo ranks (tests/integrations/test_ms_swift.py).
+
+Per case, on every rank: a tiny model (``fsdp2_compat.tooling.tiny``) is saved with ``save_pretrained`` and
+loaded back through ms-swift's own loader (``get_model_info_meta`` -> the model type's ``ModelLoader``
+subclass -> its ``get_model``: for Qwen3-VL that is where ``_compat_qwen3_vl_mixed_data`` replaces the
+base model's instance ``forward`` and saves ``origin_forward``), twice: the model trained on FSDP2 and the
+unsharded reference trained on the data-parallel average (``scenarios.train_against_reference``).  The
+model type's own template (``TEMPLATE_MAPPING[...].template_cls``) is put in training mode and its
+``register_post_encode_hook`` installs ``pre_forward_hook`` -> ``_post_encode`` on both models, as ms-swift's
+trainer does: for Qwen2.5-VL and GLM-4.1V it runs the tower on every micro-batch (a 32x32 black image's
+features joined ``0 *`` for a text-only one) and calls the model with ``inputs_embeds``; Qwen3-VL's passes the
+media on.  accelerate's ``Accelerator.prepare`` shards the model (FSDP2, ``TRANSFORMER_BASED_WRAP``: what
+``swift sft --fsdp fsdp2`` configures).  Step s gives rank ``s % world`` media (an image, or an image and a
+video), the other ranks text only; every batch differs per rank.
+
+Stand-ins, named: ``trl_scenarios.cpu_fsdp`` (accelerate selects FSDP only for GPU-like devices), and the
+template's ``processor``: ms-swift's loader builds it with ``AutoProcessor``, whose Qwen/GLM classes need
+torchvision for their video half (no CPU build of it for torch 2.13.0 here), and ``_post_encode`` reads only
+``processor.image_processor``: the template gets a namespace holding transformers' real
+``Qwen2VLImageProcessorPil`` with the tiny tower's patch geometry.  The batches come from ``tiny.make_batch``
+(ms-swift's collator output for these models is the same tensors: ``input_ids``, ``labels``,
+``attention_mask``, ``pixel_values``, ``image_grid_thw``...), not from ``template.encode``, which needs the
+tokenizer ms-swift would load with that processor.  Nothing of ms-swift's, accelerate's or transformers'
+model code is replaced.
+"""
+
+import gc
+import os
+
+# tiny family -> (ms-swift model type, ms-swift template type)
+SWIFT = {
+    "qwen3_vl": ("qwen3_vl", "qwen3_vl"),
+    "qwen2_5_vl": ("qwen2_5_vl", "qwen2_5_vl"),
+    "glm4v": ("glm4v", "glm4v"),
+}
+
+
+def swift_load(family, directory):
+    """The model ms-swift's loader builds from the checkpoint in ``directory``, and that loader's class name."""
+    import torch
+    from swift.model import get_model_info_meta
+
+    info, meta = get_model_info_meta(directory, model_type=SWIFT[family][0], torch_dtype=torch.float32)
+    loader = meta.loader(info, meta, load_model=True, model_kwargs={"device_map": "cpu"})
+    model = loader.get_model(directory, loader.get_config(directory), None, loader.model_kwargs)
+    model.train()
+    return model, type(loader).__name__
+
+
+def swift_template(family, model):
+    """ms-swift's template of ``family`` in training mode (see the module docstring for its processor)."""
+    import types
+
+    import transformers
+    from swift.template.register import TEMPLATE_MAPPING
+
+    meta = TEMPLATE_MAPPING[SWIFT[family][1]]
+    template = meta.template_cls(None, meta)
+    template.set_mode("train")
+    vision = model.config.vision_config
+    image_processor = transformers.Qwen2VLImageProcessorPil(
+        patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size,
+        merge_size=vision.spatial_merge_size)
+    template.processor = types.SimpleNamespace(image_processor=image_processor)
+    return template
+
+
+def _tower(model):
+    inner = getattr(model, "model", model)
+    return inner.visual
+
+
+def swift_case(rank, world, directory, family, patches, media=("image",), late=False, steps=3, lr=0.05):
+    """One case: ms-swift's loader and template, accelerate's FSDP2, ``steps`` SGD steps against the DP
+    reference.  ``directory``: where rank 0 saves the checkpoint every rank loads (transformers saves on
+    rank 0 only once a process group is up).  ``late``: the patches are requested after ms-swift loaded
+    both models."""
+    import torch
+    import torch.distributed as dist
+
+    import fsdp2_compat
+    from fsdp2_compat.fixes import mixed_media
+    from fsdp2_compat.tooling import subset, tiny
+    from fsdp2_compat.tooling.scenarios import train_against_reference
+    from fsdp2_compat.tooling.tiny.text import text_only
+    from fsdp2_compat.tooling.trl_scenarios import cpu_fsdp, make_accelerator, rank_env
+
+    rank_env(rank, world)
+    if not late:
+        subset.apply(patches)
+    with cpu_fsdp():
+        if rank == 0:
+            tiny.build(family, tie=False, seed=0).save_pretrained(directory)
+        dist.barrier()
+        model, loader = swift_load(family, directory)
+        reference, _ = swift_load(family, directory)
+        swapped = "origin_forward" in vars(model.model)
+        if late:
+            subset.apply(patches)
+        rows = [row for row in fsdp2_compat.status() if "origin_forward" in (row.get("detail") or "")]
+        template = swift_template(family, model)
+        template.register_post_encode_hook([model, reference])
+        acc = make_accelerator()
+        model, _ = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=lr))
+        calls = []
+
+        def count(module, inputs, output):
+            if torch._C._current_graph_task_id() == -1 and calls:  # outside backward (not a recompute)
+                calls[-1] += 1
+
+        _tower(model).register_forward_hook(count)
+        result = {"error": None, "losses": [], "loss_err": 0.0, "grad_err": 0.0, "worst_grad": None,
+                  "param_err": 0.0, "grads_checked": 0, "tower_calls": calls, "loader": loader,
+                  "origin_forward": swapped, "status_rows": rows, "template": type(template).__name__}
+        before = dict(mixed_media.STATS)
+
+        def batches_for(step):
+            batches = [tiny.make_batch(family, reference, seed=1 + 10 * step + r, media=media) for r in range(world)]
+            return [b if r == step % world else text_only(b, seed=1000 + 10 * step + r) for r, b in enumerate(batches)]
+
+        def loss_of(module, batch):
+            if module is model:
+                calls.append(0)
+            out = module(**batch)
+            return out.loss, None
+
+        torch.manual_seed(0)
+        try:
+            result = train_against_reference(model, reference, rank, world, result, batches_for, loss_of, steps, lr)
+        finally:
+            template.remove_post_encode_hook()
+        result["stats"] = {k: mixed_media.STATS[k] - before.get(k, 0) for k in mixed_media.STATS}
+    return result
+
+
+def swift_cases(rank, world, directory, cases):
+    """``swift_case(rank, world, ..., **case)`` for each case dict, in this rank process, reverting in between;
+    case i's checkpoint is saved under ``directory``/i, and each rank's stderr goes to ``directory``/rank<N>.err."""
+    import fsdp2_compat
+    from accelerate.state import AcceleratorState
+
+    from fsdp2_compat.tooling import subset
+    from fsdp2_compat.tooling.mixed import stderr_to_file
+
+    stderr_to_file(directory, rank)  # gloo's abort message lands there (rank<N>.err)
+    out = []
+    for i, case in enumerate(cases):
+        gc.collect()  # the previous case's models: a late apply would rebind them too
+        subset.forget()
+        fsdp2_compat.revert()
+        AcceleratorState._reset_state(reset_partial_state=True)
+        out.append(swift_case(rank, world, os.path.join(directory, str(i)), **case))
+    subset.forget()
+    fsdp2_compat.revert()
+    return out
