@@ -324,6 +324,8 @@ def run_checks(families=None, frameworks=None, progress=None):
     cases += [c for c in engine_cases(families) if frameworks is None or c[0] in frameworks]
     versions = dict(importable)
     cases += [(fw, versions[fw], family, patch, MIXED_KIND) for fw, family, patch in mixed.cases(versions, families)]
+    cases += [(fw, versions[fw], family, patch, mixed.OWN_KIND)
+              for fw, family, patch in mixed.own_forward_cases(versions, families)]
     cases += [(fw, versions[fw], family, patch, moe_scenarios.KIND)
               for fw, family, patch in moe_scenarios.cases(versions, families)]
     import tempfile
@@ -363,9 +365,9 @@ def run_checks(families=None, frameworks=None, progress=None):
                 read = None if tied else "raw"
                 unpatched = _two_ranks(quiet_reader_steps, family, tied, read, None)
                 patched = _two_ranks(quiet_reader_steps, family, tied, read, patch)
-            elif kind == MIXED_KIND:
-                unpatched = mixed.run_case(framework, family, None)
-                patched = mixed.run_case(framework, family, patch)
+            elif kind in (MIXED_KIND, mixed.OWN_KIND):
+                unpatched = mixed.run_case(framework, family, None, kind == mixed.OWN_KIND)
+                patched = mixed.run_case(framework, family, patch, kind == mixed.OWN_KIND)
             elif kind == moe_scenarios.KIND:
                 unpatched = moe_scenarios.run_case(framework, family, patch, unpatched=True)
                 patched = moe_scenarios.run_case(framework, family, patch)

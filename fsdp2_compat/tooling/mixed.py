@@ -16,11 +16,16 @@ import os
 
 KIND = "mixed ranks, 2 ranks"  # the check's row kind
 FAMILY = "qwen2_5_vl"  # the issue's family; the tests run more (tests/integrations/test_mixed_ranks.py)
+# The same through a trainer's own forward that replaces transformers' (lmms-engine's use_rmpad forwards:
+# engines.lmms_forwards); the tests run more families (tests/integrations/test_lmms_engine_forwards.py).
+OWN_KIND = "mixed ranks, its own forward, 2 ranks"
+OWN_FORWARDS = {"lmms-engine": "qwen3_vl"}
 GLOO_MISMATCH = "Received data size doesn't match expected size"
 PG_TIMEOUT = 20  # seconds: the surviving rank's wait in a collective its peer never joins
 
 
-def train_mixed(rank, world, framework, family, patches, stderr_dir, steps=1):
+def train_mixed(rank, world, framework, family, patches, stderr_dir, own_forwards=False, steps=1):
+    """``own_forwards``: the framework's own forwards replace transformers' first (``OWN_FORWARDS``)."""
     import copy
 
     import fsdp2_compat
@@ -33,6 +38,10 @@ def train_mixed(rank, world, framework, family, patches, stderr_dir, steps=1):
     if patches:
         fsdp2_compat.apply(patches)
     import_fsdp_utils(framework)
+    if own_forwards:
+        from .engines import lmms_forwards
+
+        lmms_forwards.install_own_forwards(family)  # (a fresh rank process: nothing to restore)
     model = tiny.build(family, tie=False, seed=0)
     reference = copy.deepcopy(model)
     result = {"wrapped": None, "error": None, "losses": [], "loss_err": 0.0, "grad_err": 0.0, "worst_grad": None,
@@ -107,15 +116,30 @@ def cases(frameworks, families=None):
     return [(framework, FAMILY, p.name) for framework in frameworks]
 
 
-def run_case(framework, family, patch):
+def own_forward_cases(frameworks, families=None):
+    """``[(framework, family, patch)]``: ``OWN_FORWARDS`` of the installed ``frameworks`` that can run here."""
+    from fsdp2_compat import registry
+
+    from .engines import lmms_forwards
+
+    out = []
+    for framework, family in OWN_FORWARDS.items():
+        p = registry.for_model_type(family)
+        if framework in frameworks and (families is None or family in families) and p is not None \
+                and lmms_forwards.unavailable() is None:
+            out.append((framework, family, p.name))
+    return out
+
+
+def run_case(framework, family, patch, own_forwards=False):
     """One check case on 2 ranks (``rank_cases.two_ranks``); unpatched, gloo's abort is read from the ranks' stderr."""
     import tempfile
 
     from .rank_cases import two_ranks as _two_ranks
 
     with tempfile.TemporaryDirectory(prefix="fsdp2_compat_mixed_") as tmp:
-        result = _two_ranks(quiet_train_mixed, framework, family, patch, tmp, retries=0, pg_timeout=PG_TIMEOUT,
-                            timeout=PG_TIMEOUT + 120)
+        result = _two_ranks(quiet_train_mixed, framework, family, patch, tmp, own_forwards, retries=0,
+                            pg_timeout=PG_TIMEOUT, timeout=PG_TIMEOUT + 120)
         gloo = gloo_error(tmp, 2)
     if result.get("error") is not None and gloo is not None:
         result["error"] = "gloo: " + gloo.split("] ", 1)[-1]

@@ -14,7 +14,7 @@ and rank 1 text only, then the reverse (different data per rank):
   data-parallel average, the text-only rank ran one dummy tower call per
   text-only micro-batch and the image rank none.
 
-The CUDA-only kernels it calls have stand-ins named in ``support.lmms_jobs``.
+The CUDA-only kernels it calls have stand-ins named in ``fsdp2_compat.tooling.engines.lmms_forwards``.
 GLM-4.1V has no lmms-engine forward: it runs transformers' through lmms-engine's
 ``apply_fsdp2``, proven with a text-only rank in ``test_mixed_ranks.py``.
 """
@@ -126,13 +126,13 @@ def test_lmms_engine_qwen2_5_vl_forward_says_its_image_and_video_tower_calls_are
 
     from fsdp2_compat.fixes import media_merge
     from fsdp2_compat.tooling import frameworks, tiny
-    from support import lmms_jobs
+    from fsdp2_compat.tooling.engines import lmms_forwards
 
     frameworks.import_fsdp_utils("lmms-engine")
-    restore = lmms_jobs.install_own_forwards("qwen2_5_vl")
+    restore = lmms_forwards.install_own_forwards("qwen2_5_vl")
     try:
         model = tiny.build("qwen2_5_vl", tie=False, seed=0)
-        assert lmms_jobs.own_forward_of(model) == OPS["qwen2_5_vl"]
+        assert lmms_forwards.own_forward_of(model) == OPS["qwen2_5_vl"]
         batch = tiny.make_batch("qwen2_5_vl", model, seed=1, media=("image", "video"))
         media_merge._WARNED.discard(type(model.model).__name__)
         with warnings.catch_warnings(record=True) as caught:
