@@ -145,8 +145,6 @@ def gather_param(owner, name="weight"):
     averaged over the data-parallel ranks, and with autograd on the unit is
     released as soon as that gradient is complete.
     """
-    import torch
-
     value = getattr(owner, name)
     if not _is_dtensor(value):
         return value
@@ -166,7 +164,14 @@ def gather_param(owner, name="weight"):
             "parallel or another unit); fsdp2-compat only gathers FSDP-managed "
             "parameters." % (where, type(owner).__name__)
         )
-    owner.unshard()
+    return _unshard_then_read(owner, owner, name, group, fsdp_param, where)
+
+
+def _unshard_then_read(unit, owner, name, group, fsdp_param, where):
+    """Unshard ``unit`` (the FSDP2 unit whose ``group`` manages ``owner.<name>``) and return the full value."""
+    import torch
+
+    unit.unshard()
     value = getattr(owner, name)
     if _is_dtensor(value):
         raise GatherError(
@@ -177,6 +182,35 @@ def gather_param(owner, name="weight"):
     if torch.is_grad_enabled() and value.requires_grad and value is fsdp_param._unsharded_param:
         _release_when_complete(group, fsdp_param)
     return value
+
+
+def gather_enclosed(owner, name="weight"):
+    """``gather_param`` for a module that is not a unit itself: its parameter is managed by an enclosing
+    FSDP2 unit (``lm_head`` in the root unit, resharded after forward).  That unit is unsharded, as its own
+    forward pre-hook would; a unit that holds other parameters is released by FSDP's own post-backward (the
+    early release above only fires for a unit every trainable parameter of which was read this way).
+
+    Before the first forward (FSDP initialises its units lazily there) the value is returned as it is:
+    unsharding an uninitialised root unit leaves the optimizer's parameters apart from what later
+    all-gathers read (measured: the root's parameters off after the first step)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from .units import live_units
+
+    value = getattr(owner, name)
+    if not _is_dtensor(value) or isinstance(owner, FSDPModule):
+        return gather_param(owner, name)
+    where = "%s.%s" % (type(owner).__name__, name)
+    for unit, _state in live_units():
+        group, fsdp_param = _owning(unit, value)
+        if group is not None:
+            if unit._get_fsdp_state()._is_root is None:  # no forward ran through the root yet
+                return value
+            return _unshard_then_read(unit, owner, name, group, fsdp_param, where)
+    raise GatherError(
+        "%s is a sharded DTensor that no live FSDP2 unit manages (tensor parallel, or a "
+        "distributed tensor of its own); fsdp2-compat only gathers FSDP-managed parameters." % where
+    )
 
 
 @contextlib.contextmanager

@@ -1,4 +1,5 @@
-"""axolotl: its fused LoRA kernels read the DoRA magnitude with plain ``full_tensor()``.
+"""axolotl: its fused LoRA kernels read the DoRA magnitude with plain ``full_tensor()``; its KD trainer reads
+``lm_head.weight`` after the forward resharded it.
 
 axolotl trains through accelerate's ``Accelerator.prepare`` with its own
 ``fsdp2_prepare_model`` (``axolotl.monkeypatch.accelerate.fsdp2``, installed
@@ -36,6 +37,42 @@ Fails safe: installed only on the fingerprinted code; a magnitude that is not
 sharded, or not its own FSDP2 unit, is left to upstream's code (the latter with
 a warning).  Delete when axolotl reads the magnitude through its unit
 (``mag_layer.unshard()``, as it does for ``lora_A``) in every release you run.
+
+KD trainer (``axolotl.integrations.kd.trainer``, 0.17.0+): ``compute_loss``
+runs the model (``logits_to_keep=1``, ``output_hidden_states``), then
+``_resolve_lm_head(model)`` and hands ``lm_head.weight`` to its liger chunked
+top-k KL loss.  Under axolotl's preparation ``lm_head`` is not a unit of its
+own: the root unit holds it with the embedding and the final norm.  But
+axolotl's ``fsdp2_prepare_model`` passes the plugin's ``reshard_after_forward``
+(true unless ``fsdp_config.reshard_after_forward: false``: the default of
+accelerate's plugin and of transformers' ``fsdp_config``) and torch 2.13 then reshards the root after its forward too (it keeps the root
+unsharded only when the argument is left unset), so the read is a sharded
+DTensor and liger's loss crashes at the first step: ``aten.mm.default got
+mixed torch.Tensor and DTensor``.  Measured (0.19.0, torch 2.13.0, 2 CPU gloo
+ranks, different data, tiny untied Qwen2).
+
+Seam: ``_resolve_lm_head`` (called right after the forward, as a module global
+of ``compute_loss``): the head it returns has its weight unsharded through the
+FSDP2 unit that manages it (``gather.gather_enclosed``: the root here, or the
+head's own unit), FSDP's own unsharded parameter; the root's post-backward
+then reduce-scatters (averages) its gradient.  Patched: two steps DP-exact.
+Before the first forward (no unit initialised) the head is left as it is.
+Under ``no_grad`` (evaluation) the unit stays unsharded until its next forward
+reshards it (the seam returns a module; there is no exit to reshard at).
+
+Claims that did not reproduce (``tests/integrations/test_axolotl.py``): with
+``reshard_after_forward: false`` the root stays unsharded after the forward
+and the unpatched read is exact (its gradient is FSDP's, averaged); a head
+with a unit of its own cannot be reached through axolotl's policies on torch
+2.13: ``SIZE_BASED_WRAP`` (the one that could select it) fails at preparation
+(``fully_shard`` refuses the layers' ``ModuleList``, which the size policy also
+selects), and ``TRANSFORMER_BASED_WRAP`` selects decoder layers only.  Read
+from code, not run: LoRA on ``lm_head`` gives only ``lora_A`` / ``lora_B``
+units of their own, and the KD read is the layer's ``base_layer`` weight (in
+the root unit: the same read as above, frozen).
+Releases: <0.7.0 have no KD trainer; 0.7.0-0.16.1 compute the KD loss inside
+the model's forward (no ``_resolve_lm_head``); 0.17.0-0.19.0 one code.
+Delete when axolotl reads the head through its unit in every release you run.
 """
 
 from ..core.records import Integration, Target
@@ -79,4 +116,45 @@ EMBEDDING_MAGNITUDE = Target(
     symptom=SYMPTOM,
 )
 
-TARGETS = (LORA_MAGNITUDE, EMBEDDING_MAGNITUDE)
+
+KD_SYMPTOM = ("axolotl 0.17.0+ KD trainer on FSDP2 (reshard_after_forward true, accelerate's default): compute_loss "
+              "reads lm_head.weight after the forward resharded the root unit and crashes in liger's chunked loss "
+              "(`aten.mm.default got mixed torch.Tensor and DTensor`)")
+
+KD_LM_HEAD = Target(
+    dist="axolotl",
+    module="axolotl.integrations.kd.trainer",
+    attr="_resolve_lm_head",
+    versions="==0.19.0",
+    fingerprints={"0.17.0-0.19.0": "8d14073b6071ed10"},  # proven on 0.19.0 (versions); the others: same code
+    seam="fsdp2_compat.integrations.axolotl:resolved_head_seam",
+    what="axolotl KD trainer reads lm_head.weight after the forward",
+    declared={"<0.7.0": "no axolotl.integrations.kd.trainer: the KD trainer arrived in 0.7.0",
+              ">=0.7.0,<0.17.0": ("no _resolve_lm_head: the KD loss runs inside the model's forward (the logits, "
+                                  "or kd/kernels/models.py reading self.lm_head.weight while the root unit is "
+                                  "unsharded), nothing reads the head after it")},
+    symptom=KD_SYMPTOM,
+)
+
+TARGETS = (LORA_MAGNITUDE, EMBEDDING_MAGNITUDE, KD_LM_HEAD)
+
+
+def resolved_head_seam(module, attr):
+    """Seam for ``axolotl.integrations.kd.trainer:_resolve_lm_head(model)``: the head it returns has its weight
+    unsharded through the FSDP2 unit that manages it (its own, or the root's) before the caller reads it."""
+    import wrapt
+
+    from ..core import calls
+    from ..fixes.gather import gather_enclosed
+
+    where = "%s.%s" % (module.__name__, attr)
+
+    def _resolve_then_gather(wrapped, instance, args, kwargs):
+        head = wrapped(*args, **kwargs)
+        if hasattr(head, "weight"):
+            gather_enclosed(head, "weight")
+        else:
+            calls.missing(where, "an lm_head with a weight (got %s)" % type(head).__name__)
+        return head
+
+    return {attr: wrapt.FunctionWrapper(calls.lookup(module, attr), _resolve_then_gather)}

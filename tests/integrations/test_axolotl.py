@@ -19,6 +19,22 @@ the kernel, so its ``full_tensor()`` calls never see a DTensor) and the MLP
 magnitudes (PEFT's own DoRA forward: axolotl's MLP kernel is Triton, CUDA only).
 Patched (the model's patch, ``textlm``), two steps: every gradient, loss and
 parameter equals the reference's.
+
+The KD trainer (``AxolotlKDTrainer.compute_loss`` as released, its liger
+chunked top-k KL loss with ``compiled=False``, the loss's own option: inductor
+runs on CPU but costs ~16 s a process) on a tiny untied Qwen2 prepared by
+axolotl's ``fsdp2_prepare_model``, 2 ranks with different teacher top-k data,
+against the unsharded reference through the same ``compute_loss``
+(``support/axolotl_jobs.kd_cases``).  ``lm_head`` is not a unit of its own
+(the root holds it with the embedding and the final norm), but accelerate's
+``reshard_after_forward=True`` (its FSDP2 default, passed on by axolotl) also
+reshards the root after the forward (torch 2.13 keeps the root unsharded only
+when ``reshard_after_forward`` is left unset): unpatched, ``lm_head.weight``
+is a sharded DTensor when ``compute_loss`` reads it and liger's loss crashes.
+Patched, two steps DP-exact.  What did not reproduce: with
+``reshard_after_forward: false`` the root stays unsharded and the unpatched
+read is exact; ``SIZE_BASED_WRAP`` (the one axolotl policy that could give the
+head a unit of its own) fails at preparation on torch 2.13, before any read.
 """
 
 import pytest
@@ -37,7 +53,7 @@ from fsdp2_compat.integrations import axolotl as ax_integration  # noqa: E402
 from fsdp2_compat.tooling.ranks import run_ranks  # noqa: E402
 from support import axolotl_jobs  # noqa: E402
 
-DEPENDS_ON = ("torch", "transformers", "accelerate", "peft", "axolotl")
+DEPENDS_ON = ("torch", "transformers", "accelerate", "peft", "axolotl", "liger-kernel", "trl", "datasets")
 
 AXOLOTL = guards.installed_version("axolotl")
 pytestmark = [
@@ -61,7 +77,7 @@ def dora():
     return {bool(patches): [results[0][i], results[1][i]] for i, (_, patches) in enumerate(CASES)}
 
 
-def test_the_patch_of_the_model_carries_both_magnitude_readers():
+def test_the_patch_of_the_model_carries_every_axolotl_reader():
     keys = {t.key for t in registry.patch(PATCH).targets}
     assert {t.key for t in ax_integration.TARGETS} <= keys
 
@@ -95,3 +111,65 @@ def test_patched_every_adapter_gradient_is_the_data_parallel_average_over_two_st
         assert r["loss_err"] < TOL and r["param_err"] < TOL, (rank, r["loss_err"], r["param_err"])
         assert r["grads_checked"] > 80
     assert dora[True][0]["losses"] != dora[True][1]["losses"], "same data on both ranks"
+
+
+# --- the KD trainer's lm_head read ---------------------------------------------------------------------------------
+
+# (family, wrap: axolotl_jobs.KD_WRAPS, patches)
+KD_CASES = [(FAMILY, "reshard", None), (FAMILY, "reshard", [PATCH]), (FAMILY, "keep_root", None), (FAMILY, "size", None)]
+KD_UPSTREAM_FAILURE = "aten.mm.default got mixed torch.Tensor and DTensor"
+KD_UNITS = ["<root>", "model.layers.0", "model.layers.1"]  # lm_head in the root unit, with the embedding and norm
+
+
+@pytest.fixture(scope="module")
+def kd():
+    """Every KD case on one rank pair: ``{(wrap, patched): [rank 0 result, rank 1 result]}``."""
+    for dep in ("trl", "liger_kernel", "datasets", "numba"):
+        pytest.importorskip(dep, reason="axolotl's KD trainer imports %s (set tf516)" % dep)
+    results = run_ranks(axolotl_jobs.kd_cases, 2, KD_CASES, timeout=300, pg_timeout=60)
+    return {(wrap, bool(patches)): [results[0][i], results[1][i]] for i, (_, wrap, patches) in enumerate(KD_CASES)}
+
+
+def test_the_kd_head_read_is_a_target_of_the_patch_of_the_model():
+    assert ax_integration.KD_LM_HEAD.key in {t.key for t in registry.patch(PATCH).targets}
+
+
+def test_unpatched_the_kd_trainer_crashes_reading_the_head_the_forward_resharded(kd):
+    for rank, r in enumerate(kd[("reshard", False)]):
+        assert r["prepared_by"] == "axolotl.monkeypatch.accelerate.fsdp2", r["prepared_by"]
+        assert r["units"] == KD_UNITS and not r["head_is_unit"], (r["units"], r["head_is_unit"])
+        print("rank %d, unpatched: %s" % (rank, r["error"]))
+        assert r["error"] is not None and r["error"].startswith("step 0:"), (rank, r["error"])
+        assert KD_UPSTREAM_FAILURE in r["error"], (rank, r["error"])
+
+
+def test_patched_the_kd_trainer_trains_on_the_data_parallel_average_over_two_steps(kd):
+    for rank, r in enumerate(kd[("reshard", True)]):
+        assert r["error"] is None, "rank %d: %s" % (rank, r["error"])
+        assert r["units"] == KD_UNITS and not r["head_is_unit"], (r["units"], r["head_is_unit"])
+        assert r["head_read"] == ["Parameter", "Parameter"], r["head_read"]  # FSDP's unsharded parameter
+        assert r["grad_err"] < TOL, "rank %d worst gradient %s: %.2e" % (rank, r["worst_grad"], r["grad_err"])
+        assert r["lm_head_grad_err"] < TOL and r["loss_err"] < TOL and r["param_err"] < TOL, r
+        assert r["grads_checked"] == 2 * 27, r["grads_checked"]  # every parameter, both steps
+    assert kd[("reshard", True)][0]["losses"] != kd[("reshard", True)][1]["losses"], "same data on both ranks"
+
+
+def test_with_the_root_kept_unsharded_after_forward_the_unpatched_kd_read_is_exact(kd):
+    """A claim that did not reproduce: ``reshard_after_forward: false`` leaves the root unsharded, so the read is
+    FSDP's own unsharded parameter and its gradient is reduced by the root's post-backward."""
+    for rank, r in enumerate(kd[("keep_root", False)]):
+        assert r["error"] is None, "rank %d: %s" % (rank, r["error"])
+        assert r["head_read"] == ["Parameter", "Parameter"], r["head_read"]
+        assert r["grad_err"] < TOL and r["loss_err"] < TOL and r["param_err"] < TOL, r
+        assert r["grads_checked"] == 2 * 27, r["grads_checked"]
+    assert kd[("keep_root", False)][0]["losses"] != kd[("keep_root", False)][1]["losses"], "same data on both ranks"
+
+
+def test_axolotls_size_based_wrap_fails_at_preparation_before_any_kd_read(kd):
+    """Where the head could become a unit of its own (``SIZE_BASED_WRAP``, a ``min_num_params`` below it), axolotl's
+    preparation stops first: the size policy also selects the layers' ``ModuleList``, which ``fully_shard`` refuses.
+    When this stops failing, the head read of a unit of its own needs proving (``gather_enclosed`` unshards it)."""
+    for rank, r in enumerate(kd[("size", False)]):
+        assert r["prepared_by"] == "axolotl.monkeypatch.accelerate.fsdp2", r["prepared_by"]
+        assert r["error"] is not None and r["error"].startswith("prepare: ValueError"), (rank, r["error"])
+        assert "fully_shard does not support containers that do not implement forward: ModuleList" in r["error"]

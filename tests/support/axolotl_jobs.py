@@ -28,7 +28,7 @@ import copy
 import tempfile
 
 from fsdp2_compat.tooling import subset
-from fsdp2_compat.tooling.scenarios import full_values, rel_err, train_against_reference
+from fsdp2_compat.tooling.scenarios import first_line, full_values, rel_err, train_against_reference
 from fsdp2_compat.tooling.trl_scenarios import cpu_fsdp, make_accelerator, rank_env
 
 TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens"]
@@ -192,6 +192,127 @@ def dora_cases(rank, world, cases, steps=2):
         fsdp2_compat.revert()
         AcceleratorState._reset_state(reset_partial_state=True)
         out.append(dora_steps(rank, world, family, patches, steps=steps))
+    subset.forget()
+    fsdp2_compat.revert()
+    return out
+
+
+# --- the KD trainer: AxolotlKDTrainer.compute_loss reads lm_head.weight after the forward -------------------------
+
+KD_TOP_K = 4
+# The AxolotlKDTrainer arguments (kd_ce_alpha, kd_alpha, kd_temperature, kd_beta, kd_normalize_topk) of the case.
+KD_ARGS = {"kd_ce_alpha": 0.3, "kd_alpha": 0.7, "kd_temperature": 1.0, "kd_beta": 0.0, "kd_normalize_topk": True}
+# How axolotl's fsdp_config.auto_wrap_policy reaches accelerate's plugin: "transformer" (TRANSFORMER_BASED_WRAP, the
+# decoder layers: lm_head stays in the root unit) or "size" (SIZE_BASED_WRAP with min_num_params below the tiny
+# model's embedding and head, as 1e8 is below an 8B model's: every layer, the embedding and lm_head a unit each).
+KD_WRAPS = {"reshard": {"auto_wrap_policy": "transformer_based_wrap", "reshard_after_forward": True},
+            "keep_root": {"auto_wrap_policy": "transformer_based_wrap", "reshard_after_forward": False},
+            "size": {"auto_wrap_policy": "size_based_wrap", "min_num_params": 5000, "reshard_after_forward": True}}
+
+
+def import_kd():
+    """``(integrations.kd.trainer, integrations.kd.kernels.liger)`` as released (they import trl, liger-kernel,
+    datasets and numba through ``core.trainers.base``: set tf516)."""
+    import importlib
+
+    return (importlib.import_module("axolotl.integrations.kd.trainer"),
+            importlib.import_module("axolotl.integrations.kd.kernels.liger"))
+
+
+def kd_trainer():
+    """An ``AxolotlKDTrainer`` holding what its ``compute_loss`` reads: ``_kd_loss_fn``, built as its ``__init__``
+    builds it from ``KD_ARGS`` (the HF Trainer's ``__init__`` is not run: it would build a second Accelerator).
+
+    ``compiled=False``, the loss's own option: its default compiles liger's chunk loop with inductor, which runs
+    on CPU but takes ~16 s per process (the values are the same: measured)."""
+    trainer_mod, liger = import_kd()
+    trainer = trainer_mod.AxolotlKDTrainer.__new__(trainer_mod.AxolotlKDTrainer)
+    trainer._kd_loss_fn = liger.LigerFusedLinearKLTopKLogprobLoss(
+        KD_ARGS["kd_ce_alpha"], KD_ARGS["kd_alpha"], KD_ARGS["kd_temperature"], KD_ARGS["kd_beta"] or 0.0,
+        compute_ce_loss=bool(KD_ARGS["kd_ce_alpha"]), normalize_topk=KD_ARGS["kd_normalize_topk"], compiled=False)
+    return trainer
+
+
+def kd_batch(family, model, seed):
+    """A tiny batch plus a teacher's top-``KD_TOP_K`` log-probabilities per position (what axolotl's KD collator
+    adds: ``target_token_ids`` / ``target_logprobs`` / ``target_mask``), deterministic in ``seed``."""
+    import torch
+
+    from fsdp2_compat.tooling import tiny as tiny_models
+
+    batch = tiny_models.make_batch(family, model, seed=seed)
+    gen = torch.Generator().manual_seed(1000 + seed)
+    rows, length = batch["input_ids"].shape
+    vocab = model.config.get_text_config().vocab_size
+    ids = torch.stack([torch.randperm(vocab, generator=gen)[:KD_TOP_K] for _ in range(rows * length)])
+    batch["target_token_ids"] = ids.view(rows, length, KD_TOP_K)
+    batch["target_logprobs"] = torch.log_softmax(torch.randn(rows, length, KD_TOP_K, generator=gen), dim=-1)
+    mask = torch.ones(rows, length, KD_TOP_K, dtype=torch.long)
+    mask[:, :2] = 0  # the prompt's first positions carry no teacher targets
+    batch["target_mask"] = mask
+    return batch
+
+
+def kd_steps(rank, world, family, wrap, patches, steps=2, lr=0.05):
+    """One case: a tiny untied model prepared by axolotl's ``fsdp2_prepare_model`` (``wrap``: ``KD_WRAPS``),
+    trained with ``AxolotlKDTrainer.compute_loss`` against the unsharded reference through the same method."""
+    import accelerate.accelerator
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from torch.distributed.fsdp import FSDPModule
+
+    from fsdp2_compat.tooling import tiny as tiny_models
+    from fsdp2_compat.tooling.scenarios import wrapped_module_names
+
+    rank_env(rank, world)
+    subset.apply(patches)
+    _, _, fsdp2, _ = import_axolotl()
+    trainer_mod, _ = import_kd()
+    prepare = accelerate.accelerator.fsdp2_prepare_model
+    with cpu_fsdp():
+        try:
+            fsdp2.patch_accelerate_fsdp2()
+            plugin = FullyShardedDataParallelPlugin(fsdp_version=2, **KD_WRAPS[wrap])
+            acc = Accelerator(cpu=True, fsdp_plugin=plugin)
+            model = tiny_models.build(family, tie=False, seed=0)
+            reference = copy.deepcopy(model)
+            model, _ = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=lr))
+        except ValueError as exc:  # SIZE_BASED_WRAP: fully_shard refuses the layers' ModuleList (no forward)
+            return {"error": "prepare: %s: %s" % (type(exc).__name__, first_line(exc)), "prepared_by": fsdp2.__name__}
+        finally:
+            accelerate.accelerator.fsdp2_prepare_model = prepare
+    trainer = kd_trainer()
+    # Resolved before any forward, through the (patched) function: the fix must leave a not yet initialised root
+    # unit alone (unsharding it there measurably desynchronised the root's parameters from the optimizer).
+    head = trainer_mod._resolve_lm_head(model)
+    result = {"error": None, "losses": [], "loss_err": 0.0, "grad_err": 0.0, "worst_grad": None, "param_err": 0.0,
+              "lm_head_grad_err": 0.0, "grads_checked": 0, "prepared_by": fsdp2.__name__,
+              "units": wrapped_module_names(model), "head_is_unit": isinstance(head, FSDPModule), "head_read": []}
+
+    def loss_of(module, batch):
+        loss = trainer.compute_loss(module, batch)
+        if module is model:  # what compute_loss read, still as it read it (nothing ran in between)
+            result["head_read"].append(type(trainer_mod._resolve_lm_head(module).weight).__name__)
+        return loss, None
+
+    def batches_for(step):
+        return [kd_batch(family, reference, seed=1 + step * world + r) for r in range(world)]
+
+    return train_against_reference(model, reference, rank, world, result, batches_for, loss_of, steps, lr)
+
+
+def kd_cases(rank, world, cases, steps=2):
+    """``kd_steps`` for each ``(family, wrap, patches)`` of ``cases`` in this rank process, reverting in between."""
+    import fsdp2_compat
+    from accelerate.state import AcceleratorState
+
+    out = []
+    for family, wrap, patches in cases:
+        subset.forget()
+        fsdp2_compat.revert()
+        AcceleratorState._reset_state(reset_partial_state=True)
+        out.append(kd_steps(rank, world, family, wrap, patches, steps=steps))
     subset.forget()
     fsdp2_compat.revert()
     return out
