@@ -71,7 +71,7 @@ from code, not run: LoRA on ``lm_head`` gives only ``lora_A`` / ``lora_B``
 units of their own, and the KD read is the layer's ``base_layer`` weight (in
 the root unit: the same read as above, frozen).
 Releases: <0.7.0 have no KD trainer; 0.7.0-0.16.1 compute the KD loss inside
-the model's forward (no ``_resolve_lm_head``); 0.17.0-0.19.0 one code.
+the model's forward (no ``_resolve_lm_head``); 0.17.0-0.21.0 one code (0.19.0 proven).
 Delete when axolotl reads the head through its unit in every release you run.
 """
 
@@ -126,7 +126,7 @@ KD_LM_HEAD = Target(
     module="axolotl.integrations.kd.trainer",
     attr="_resolve_lm_head",
     versions="==0.19.0",
-    fingerprints={"0.17.0-0.19.0": "8d14073b6071ed10"},  # proven on 0.19.0 (versions); the others: same code
+    fingerprints={"0.17.0-0.21.0": "8d14073b6071ed10"},  # proven on 0.19.0 (versions); the others: same code
     seam="fsdp2_compat.integrations.axolotl:resolved_head_seam",
     what="axolotl KD trainer reads lm_head.weight after the forward",
     declared={"<0.7.0": "no axolotl.integrations.kd.trainer: the KD trainer arrived in 0.7.0",
