@@ -115,8 +115,9 @@ def test_patched_every_adapter_gradient_is_the_data_parallel_average_over_two_st
 
 # --- the KD trainer's lm_head read ---------------------------------------------------------------------------------
 
-# (family, wrap: axolotl_jobs.KD_WRAPS, patches)
-KD_CASES = [(FAMILY, "reshard", None), (FAMILY, "reshard", [PATCH]), (FAMILY, "keep_root", None), (FAMILY, "size", None)]
+# (family, wrap: axolotl_jobs.KD_WRAPS, patches, an evaluation compute_loss under no_grad before each step)
+KD_CASES = [(FAMILY, "reshard", None, False), (FAMILY, "reshard", [PATCH], True), (FAMILY, "keep_root", None, False),
+            (FAMILY, "size", None, False)]
 KD_UPSTREAM_FAILURE = "aten.mm.default got mixed torch.Tensor and DTensor"
 KD_UNITS = ["<root>", "model.layers.0", "model.layers.1"]  # lm_head in the root unit, with the embedding and norm
 
@@ -127,7 +128,7 @@ def kd():
     for dep in ("trl", "liger_kernel", "datasets", "numba"):
         pytest.importorskip(dep, reason="axolotl's KD trainer imports %s (set tf516)" % dep)
     results = run_ranks(axolotl_jobs.kd_cases, 2, KD_CASES, timeout=300, pg_timeout=60)
-    return {(wrap, bool(patches)): [results[0][i], results[1][i]] for i, (_, wrap, patches) in enumerate(KD_CASES)}
+    return {(wrap, bool(patches)): [results[0][i], results[1][i]] for i, (_, wrap, patches, _) in enumerate(KD_CASES)}
 
 
 def test_the_kd_head_read_is_a_target_of_the_patch_of_the_model():
@@ -144,10 +145,13 @@ def test_unpatched_the_kd_trainer_crashes_reading_the_head_the_forward_resharded
 
 
 def test_patched_the_kd_trainer_trains_on_the_data_parallel_average_over_two_steps(kd):
+    """With an evaluation ``compute_loss`` under ``no_grad`` before each step: it reads the same head (left
+    unsharded until the next forward reshards it) and leaves the training steps exact."""
     for rank, r in enumerate(kd[("reshard", True)]):
         assert r["error"] is None, "rank %d: %s" % (rank, r["error"])
         assert r["units"] == KD_UNITS and not r["head_is_unit"], (r["units"], r["head_is_unit"])
         assert r["head_read"] == ["Parameter", "Parameter"], r["head_read"]  # FSDP's unsharded parameter
+        assert r["eval_err"] < TOL, (rank, r["eval_err"])
         assert r["grad_err"] < TOL, "rank %d worst gradient %s: %.2e" % (rank, r["worst_grad"], r["grad_err"])
         assert r["lm_head_grad_err"] < TOL and r["loss_err"] < TOL and r["param_err"] < TOL, r
         assert r["grads_checked"] == 2 * 27, r["grads_checked"]  # every parameter, both steps

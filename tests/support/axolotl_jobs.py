@@ -253,9 +253,12 @@ def kd_batch(family, model, seed):
     return batch
 
 
-def kd_steps(rank, world, family, wrap, patches, steps=2, lr=0.05):
+def kd_steps(rank, world, family, wrap, patches, steps=2, lr=0.05, evaluate=False):
     """One case: a tiny untied model prepared by axolotl's ``fsdp2_prepare_model`` (``wrap``: ``KD_WRAPS``),
-    trained with ``AxolotlKDTrainer.compute_loss`` against the unsharded reference through the same method."""
+    trained with ``AxolotlKDTrainer.compute_loss`` against the unsharded reference through the same method.
+
+    ``evaluate``: before each step's training loss, the same ``compute_loss`` under ``no_grad`` (as the HF
+    Trainer's ``prediction_step`` runs it); its loss is folded into ``eval_err`` against the training loss."""
     import accelerate.accelerator
     import torch
     from accelerate import Accelerator
@@ -288,10 +291,16 @@ def kd_steps(rank, world, family, wrap, patches, steps=2, lr=0.05):
     head = trainer_mod._resolve_lm_head(model)
     result = {"error": None, "losses": [], "loss_err": 0.0, "grad_err": 0.0, "worst_grad": None, "param_err": 0.0,
               "lm_head_grad_err": 0.0, "grads_checked": 0, "prepared_by": fsdp2.__name__,
-              "units": wrapped_module_names(model), "head_is_unit": isinstance(head, FSDPModule), "head_read": []}
+              "units": wrapped_module_names(model), "head_is_unit": isinstance(head, FSDPModule), "head_read": [],
+              "eval_err": 0.0}
 
     def loss_of(module, batch):
+        if evaluate and module is model:
+            with torch.no_grad():
+                evaluated = trainer.compute_loss(module, batch)
         loss = trainer.compute_loss(module, batch)
+        if evaluate and module is model:
+            result["eval_err"] = max(result["eval_err"], rel_err(evaluated, loss.detach()))
         if module is model:  # what compute_loss read, still as it read it (nothing ran in between)
             result["head_read"].append(type(trainer_mod._resolve_lm_head(module).weight).__name__)
         return loss, None
@@ -303,16 +312,17 @@ def kd_steps(rank, world, family, wrap, patches, steps=2, lr=0.05):
 
 
 def kd_cases(rank, world, cases, steps=2):
-    """``kd_steps`` for each ``(family, wrap, patches)`` of ``cases`` in this rank process, reverting in between."""
+    """``kd_steps`` for each ``(family, wrap, patches, evaluate)`` of ``cases`` in this rank process, reverting in
+    between."""
     import fsdp2_compat
     from accelerate.state import AcceleratorState
 
     out = []
-    for family, wrap, patches in cases:
+    for family, wrap, patches, evaluate in cases:
         subset.forget()
         fsdp2_compat.revert()
         AcceleratorState._reset_state(reset_partial_state=True)
-        out.append(kd_steps(rank, world, family, wrap, patches, steps=steps))
+        out.append(kd_steps(rank, world, family, wrap, patches, steps=steps, evaluate=evaluate))
     subset.forget()
     fsdp2_compat.revert()
     return out
