@@ -1,4 +1,12 @@
-"""axolotl's LoRA kernels on its own FSDP2 preparation, 2 CPU gloo ranks (tests/integrations/test_axolotl.py).
+"""axolotl's LoRA kernels and KD trainer on its own FSDP2 preparation, 2 CPU gloo ranks (test_axolotl.py).
+
+``kd_cases(rank, world, cases)``: for each ``(family, wrap, patches, evaluate)``
+a tiny untied model is prepared by axolotl's ``fsdp2_prepare_model`` under the
+real ``Accelerator.prepare`` (``KD_WRAPS``: the plugin's wrap policy and
+``reshard_after_forward``) and trained with ``AxolotlKDTrainer.compute_loss``
+as released, on a teacher top-k batch per rank, against the unsharded
+reference through the same method (its ``_kd_loss_fn`` built as ``__init__``
+builds it; see ``kd_trainer``).
 
 ``dora_cases(rank, world, cases)``: for each ``(family, patches)`` a tiny text
 model becomes a PEFT DoRA model (every attention and MLP projection and the
