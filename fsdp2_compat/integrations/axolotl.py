@@ -45,8 +45,9 @@ top-k KL loss.  Under axolotl's preparation ``lm_head`` is not a unit of its
 own: the root unit holds it with the embedding and the final norm.  But
 axolotl's ``fsdp2_prepare_model`` passes the plugin's ``reshard_after_forward``
 (true unless ``fsdp_config.reshard_after_forward: false``: the default of
-accelerate's plugin and of transformers' ``fsdp_config``) and torch 2.13 then reshards the root after its forward too (it keeps the root
-unsharded only when the argument is left unset), so the read is a sharded
+accelerate's plugin and of transformers' ``fsdp_config``) and torch 2.13 then
+reshards the root after its forward too (it keeps the root unsharded only
+when the argument is left unset), so the read is a sharded
 DTensor and liger's loss crashes at the first step: ``aten.mm.default got
 mixed torch.Tensor and DTensor``.  Measured (0.19.0, torch 2.13.0, 2 CPU gloo
 ranks, different data, tiny untied Qwen2).
