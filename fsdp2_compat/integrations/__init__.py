@@ -11,15 +11,17 @@ Adding a framework is one module here plus its targets in the registry.
 torch itself is an integration too (``torch_fsdp``: fixes inside FSDP2), but
 not a framework: it has no ``wrap_module`` (``wrapping()`` lists those that have one);
 neither has accelerate (its ``fsdp2_prepare_model`` takes the accelerator, not an
-``apply_fsdp2``-style call the wrap-selection tooling makes), nor axolotl (which prepares through it), nor transformers
+``apply_fsdp2``-style call the wrap-selection tooling makes), nor axolotl and ms-swift (which prepare through it;
+ms-swift has no target: ``ms_swift.PATHS`` says what covers each of its paths), nor transformers
 (``transformers_media``: the model forwards that skip a vision tower).
 """
 
-from . import accelerate, areal, axolotl, llamafactory, lmms_engine, skyrl, torch_fsdp, transformers_media, trl, verl
+from . import (accelerate, areal, axolotl, llamafactory, lmms_engine, ms_swift, skyrl, torch_fsdp, transformers_media,
+               trl, verl)
 
 INTEGRATIONS = (verl.INTEGRATION, skyrl.SKYRL_INTEGRATION, skyrl.SKYRL_TRAIN_INTEGRATION, areal.INTEGRATION,
                 llamafactory.INTEGRATION, lmms_engine.INTEGRATION, trl.INTEGRATION, accelerate.INTEGRATION,
-                axolotl.INTEGRATION, torch_fsdp.INTEGRATION, transformers_media.INTEGRATION)
+                axolotl.INTEGRATION, ms_swift.INTEGRATION, torch_fsdp.INTEGRATION, transformers_media.INTEGRATION)
 
 _BY_DIST = {i.dist: i for i in INTEGRATIONS}
 

@@ -31,6 +31,7 @@ pytest.importorskip("swift", reason="needs ms-swift (the code under test: set sw
 
 from fsdp2_compat import registry  # noqa: E402
 from fsdp2_compat.core import guards  # noqa: E402
+from fsdp2_compat.integrations import ms_swift  # noqa: E402
 from fsdp2_compat.tooling.ranks import RankError, run_ranks  # noqa: E402
 from support import swift_jobs  # noqa: E402
 
@@ -84,6 +85,24 @@ def _exact(ranks):
         assert r["grad_err"] < TOL, (rank, r["worst_grad"], r["grad_err"])
         assert len(r["losses"]) == STEPS
     assert ranks[0]["losses"] != ranks[1]["losses"], "same data on both ranks"
+
+
+def test_the_installed_ms_swift_has_the_code_each_recorded_path_was_proven_on():
+    import importlib
+
+    for module, name, fingerprints, covered_by in ms_swift.PATHS:
+        obj = importlib.import_module(module)
+        for part in name.split("."):
+            obj = getattr(obj, part)
+        obj = getattr(obj, "__wrapped__", obj)  # profiling_decorator: functools.wraps
+        assert guards.fingerprint(obj) == fingerprints[SWIFT], (module, name, covered_by)
+
+
+def test_ms_swift_has_an_integration_and_no_target_of_its_own():
+    from fsdp2_compat import integrations
+
+    assert integrations.get("ms-swift") is ms_swift.INTEGRATION and ms_swift.TARGETS == ()
+    assert not [t for t in registry.targets() if t.dist == "ms-swift"]
 
 
 def test_unpatched_a_text_only_rank_breaks_qwen3_vl_under_ms_swifts_own_forward(tmp_path):

@@ -1,4 +1,4 @@
-"""ms-swift 4.6.0's own loader and templates on accelerate's FSDP2, 2 CPU gloo ranks (tests/integrations/test_ms_swift.py).
+"""ms-swift 4.6.0's own loader and templates on accelerate's FSDP2, 2 CPU gloo ranks (test_ms_swift.py).
 
 Per case, on every rank: a tiny model (``fsdp2_compat.tooling.tiny``) is saved with ``save_pretrained`` and
 loaded back through ms-swift's own loader (``get_model_info_meta`` -> the model type's ``ModelLoader``

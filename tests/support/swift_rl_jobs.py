@@ -11,10 +11,11 @@
   a local teacher under FSDP).
 
 The trainers are real instances whose ``__init__`` is skipped (it needs datasets, a rollout engine, reward
-functions), with the attributes these methods read set as ``__init__`` sets them (``args``: a namespace with
-the two fields read; ``tooling/trl_scenarios`` does the same for TRL's trainers).  ``read`` records, through a
-forward pre-hook on the liger loss module, the type of the head weight(s) that reached it.  The unsharded reference runs the same method
-on the same batches and trains on the data-parallel average.  Stand-in: ``trl_scenarios.cpu_fsdp`` only.
+functions), with the attributes these methods read set as ``__init__`` sets them (``args``: a namespace with the
+two fields read; ``tooling/trl_scenarios`` does the same for TRL's trainers). ``read`` records, through a
+forward pre-hook on the liger loss module, the type of the head weight(s) that reached it. The unsharded
+reference runs the same method on the same batches and trains on the data-parallel average. Stand-in:
+``trl_scenarios.cpu_fsdp`` only.
 """
 
 import copy
