@@ -42,8 +42,9 @@ REPO = diffs.REPO
 # The upstream releases the pinned test sets (.ci/sets) install.
 PINNED = {"verl": ("0.7.0", "0.8.0", "0.9.1"), "skyrl": ("0.1.0", "0.3.0", "0.4.0"), "skyrl-train": ("0.3.1",),
           "areal": ("1.0.4",), "llamafactory": ("0.9.5",), "lmms-engine": ("0.1.4",),
-          # trl 1.9.0 (set tf516): axolotl's KD trainer imports it; no TRL target covers it (no diff to check)
-          "trl": ("1.9.0", "1.14.2", "1.16.0"),
+          # trl 1.9.0 (set tf516): axolotl's KD trainer imports it; trl 0.29.1 (set tf516swift): ms-swift's GRPO /
+          # GKD trainers import it; no TRL target covers either (no diff to check)
+          "trl": ("0.29.1", "1.9.0", "1.14.2", "1.16.0"),
           # torch: its diffs are checked against the installed files (no download of torch); 2.15.0 (set latest)
           # needs none: both accumulation targets declare it not needed (tests/integrations/test_accumulation_declared.py)
           "torch": ("2.13.0", "2.15.0")}
