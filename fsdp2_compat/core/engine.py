@@ -362,6 +362,10 @@ def _swap(target, module, late=False):
                 changed = []
                 applied.aliases.append((old, new, changed))
                 _rebind(old, new, {(module.__name__, attr)}, changed, target.key)
+                if late and target.assigned_to:  # classes a trainer gave the function to before the request
+                    from . import instances
+
+                    applied.instances = instances.rebind_assigned(target.assigned_to, old, new)
             elif attr == target.attr and late:
                 from . import instances
 

@@ -10,7 +10,9 @@ target to a module that was imported before the request (the only time such
 objects can exist), ``rebind`` points each such attribute at the replacement
 bound to the same object, and ``restore`` (revert) puts back what was there.
 The engine names every rebound attribute in the target's outcome, which
-``fsdp2-compat status`` shows.
+``fsdp2-compat status`` shows.  ``rebind_assigned`` does the same for a module
+function a trainer assigned over a class method before the request
+(``Target.assigned_to``: lmms-engine's forwards).
 
 Finding them: instances of a heap type refer to their type, so one
 ``gc.get_referrers`` of the class and its subclasses finds every instance in
@@ -49,6 +51,38 @@ def rebind(cls, original, replacement):
                 namespace[key] = new
                 changed.append((namespace, "%s.%s (id %#x)" % (type(obj).__name__, key, id(obj)), key, value, new))
     return changed
+
+
+def rebind_assigned(holders, original, replacement):
+    """Point each class attribute of ``holders`` (``"pkg.mod:Class.attr"``, ``Target.assigned_to``) that holds
+    the function ``original`` at ``replacement``; a module not imported, or an attribute holding anything else,
+    is left alone.  Returns the changes, as ``rebind`` does, for ``restore``."""
+    import sys
+
+    changed = []
+    for holder in holders:
+        module_name, _, path = holder.partition(":")
+        cls_name, _, key = path.rpartition(".")
+        cls = getattr(sys.modules.get(module_name), cls_name, None)
+        if isinstance(cls, type) and cls.__dict__.get(key) is original:
+            setattr(cls, key, replacement)
+            changed.append((_ClassNamespace(cls), "%s.%s" % (cls.__name__, key), key, original, replacement))
+    return changed
+
+
+class _ClassNamespace:
+    """A class seen as ``restore`` reads a namespace (a class ``__dict__`` is read-only: writes go through setattr)."""
+
+    __slots__ = ("cls",)
+
+    def __init__(self, cls):
+        self.cls = cls
+
+    def get(self, key):
+        return self.cls.__dict__.get(key)
+
+    def __setitem__(self, key, value):
+        setattr(self.cls, key, value)
 
 
 def restore(changed):

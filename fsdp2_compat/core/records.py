@@ -46,6 +46,9 @@ class Target:
     symptom       optional: what a user sees without this target, and on which stack, when
                   the bug is not the family's own (TRL's reads, torch's accumulation): owned
                   here once; ``registry.symptoms(patch)`` adds it to every patch carrying it
+    assigned_to   optional ``("pkg.mod:Class.method", ...)``: class attributes a trainer assigns this module
+                  function to (lmms-engine: ``Qwen3VLModel.forward = qwen3_vl_ops.model_forward``).  A request
+                  made after that assignment also replaces the function there (and revert restores it)
     layout        optional name shared by targets that are alternative code layouts
                   of one fix in one module (verl's selection moved from
                   ``apply_fsdp2`` to ``_select_fsdp2_wrap_targets`` in 0.7.1): a
@@ -54,10 +57,10 @@ class Target:
     """
 
     __slots__ = ("dist", "module", "attr", "versions", "fingerprints", "seam", "fixed_in", "declared",
-                 "unsupported", "diff", "what", "layout", "symptom")
+                 "unsupported", "diff", "what", "layout", "symptom", "assigned_to")
 
     def __init__(self, dist, module, attr, versions, fingerprints, seam, what, fixed_in=None, diff=None,
-                 declared=None, unsupported=None, layout=None, symptom=None):
+                 declared=None, unsupported=None, layout=None, symptom=None, assigned_to=()):
         self.dist = dist
         self.module = module
         self.attr = attr
@@ -71,6 +74,7 @@ class Target:
         self.layout = layout
         self.diff = diff
         self.symptom = symptom
+        self.assigned_to = tuple(assigned_to)
 
     @property
     def key(self):

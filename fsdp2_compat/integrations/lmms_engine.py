@@ -21,8 +21,9 @@ reference (``tests/integrations/test_lmms_engine_forwards.py``); Qwen3-VL with
 an image+video rank too (``fixes.media_merge``: one tower call).  Not fixed:
 Qwen2.5-VL's forward runs ``self.visual`` once per media kind, so an image+video
 micro-batch there still runs the tower twice; ``media_merge`` warns.  Request the patch before
-the monkey patch runs (the bootstrap does, at start-up): a class that already
-holds lmms-engine's unwrapped function keeps it.
+the monkey patch runs (the bootstrap does, at start-up); a request made after
+it still reaches the class (``assigned_to``: the engine replaces the function
+there too, says so in ``status`` and restores it on revert).
 
 Selection:
 
@@ -106,7 +107,7 @@ _OLDER = ("0.1.2 has the same text-only skip in other code (it pins transformers
           "use 0.1.4")
 
 
-def _ops(family, attr, fingerprint, older=_OLDER):
+def _ops(family, attr, fingerprint, base, older=_OLDER):
     """lmms-engine 0.1.4's padding-free base-model forward of ``family`` (``lmms_engine.models.<family>.<family>_ops``);
     0.1.2 has the same skip in other code (``older``), or no such module (``older=None``)."""
     return Target(
@@ -120,12 +121,14 @@ def _ops(family, attr, fingerprint, older=_OLDER):
         unsupported={"==0.1.2": older} if older else None,
         declared=None if older else {"<0.1.4": "no lmms_engine.models.%s (it arrived in 0.1.4)" % family},
         symptom=_OPS_SYMPTOM,
+        # what its monkey patch assigns the function to: a request made after that still reaches the class
+        assigned_to=("transformers.models.%s.modeling_%s:%s.forward" % (family, family, base),),
     )
 
 
-QWEN3_VL_OPS = _ops("qwen3_vl", "model_forward", "b035bc80e4c8cd69")
-QWEN2_5_VL_OPS = _ops("qwen2_5_vl", "vl_model_forward", "16d59531d1d03640")
-QWEN3_VL_MOE_OPS = _ops("qwen3_vl_moe", "model_forward", "9a9a004cf46bafcf", older=None)
+QWEN3_VL_OPS = _ops("qwen3_vl", "model_forward", "b035bc80e4c8cd69", "Qwen3VLModel")
+QWEN2_5_VL_OPS = _ops("qwen2_5_vl", "vl_model_forward", "16d59531d1d03640", "Qwen2_5_VLModel")
+QWEN3_VL_MOE_OPS = _ops("qwen3_vl_moe", "model_forward", "9a9a004cf46bafcf", "Qwen3VLMoeModel", older=None)
 # Not here: Qwen3.5's qwen3_5_ops.model_forward (0.1.4, fingerprint 44ff74d6063c727f) has the same skip, but its
 # packed linear attention needs flash-linear-attention's CUDA kernels, so the fix was never run on it: no target
 # until it is proven (docs/enable.md says so).

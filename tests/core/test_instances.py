@@ -66,3 +66,66 @@ def test_a_patch_requested_before_the_import_looks_for_no_objects(toy, monkeypat
     utils = toy.import_utils()
     assert utils.Engine().prepare(1) == ("patched", 1)
     assert "rebound objects" not in _outcome(toy.prepare).detail
+
+
+def test_a_late_patch_of_a_function_reaches_the_class_a_trainer_assigned_it_to(toy, monkeypatch):
+    """lmms-engine's monkey patch does ``Qwen3VLModel.forward = qwen3_vl_ops.model_forward``; a patch of
+    ``model_forward`` requested after that must reach the class too (``Target.assigned_to``), and revert
+    must give the class upstream's function back."""
+    import sys
+    import types
+
+    from fsdp2_compat.core.records import Target
+
+    holders = types.ModuleType("f2c_toy_holders")
+    monkeypatch.setitem(sys.modules, "f2c_toy_holders", holders)
+    target = Target(dist="f2c-toy", module="f2c_toy.utils", attr="select", versions=">=1.0,<2",
+                    fingerprints={"1.0-1.2": toy.fp_select}, seam="toy_seams:seam", what="toy selection",
+                    assigned_to=("f2c_toy_holders:Model.select", "f2c_toy_holders:Other.select",
+                                 "no_such_module:Model.select"))
+    toy.register(monkeypatch, toy.patch(target))
+    utils = toy.import_utils()
+    original = utils.select
+
+    class Model:
+        select = staticmethod(original)  # (a staticmethod holds it: not the function itself, left alone)
+
+    class Other:
+        pass
+
+    Other.select = original  # what the trainer's monkey patch does
+    holders.Model, holders.Other = Model, Other
+
+    fsdp2_compat.apply("toy")
+    assert Other.__dict__["select"] is utils.select is not original
+    assert Other.select(None, ["a", "b"])[0] == "patched"
+    assert isinstance(Model.__dict__["select"], staticmethod)
+    detail = _outcome(target).detail
+    assert "rebound objects that held the original: Other.select" in detail, detail
+
+    fsdp2_compat.revert()
+    assert Other.__dict__["select"] is original and utils.select is original
+
+
+def test_a_patch_requested_before_the_assignment_needs_no_rebinding(toy, monkeypatch):
+    import sys
+    import types
+
+    from fsdp2_compat.core.records import Target
+
+    holders = types.ModuleType("f2c_toy_holders")
+    monkeypatch.setitem(sys.modules, "f2c_toy_holders", holders)
+    target = Target(dist="f2c-toy", module="f2c_toy.utils", attr="select", versions=">=1.0,<2",
+                    fingerprints={"1.0-1.2": toy.fp_select}, seam="toy_seams:seam", what="toy selection",
+                    assigned_to=("f2c_toy_holders:Model.select",))
+    toy.register(monkeypatch, toy.patch(target))
+    fsdp2_compat.apply("toy")
+    utils = toy.import_utils()  # imported after the request: the trainer assigns the patched function itself
+
+    class Model:
+        pass
+
+    Model.select = utils.select
+    holders.Model = Model
+    assert Model.select(None, ["a"])[0] == "patched"
+    assert "rebound objects" not in _outcome(target).detail

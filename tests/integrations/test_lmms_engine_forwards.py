@@ -68,7 +68,8 @@ def _run():
     from support import lmms_jobs
 
     cases = [(f, f, [_user(f)], STEPS) for f in FAMILIES] + [
-        ("%s %s" % (f, MEDIA_NAME), f, [_user(f)], MEDIA_STEPS) for f in VIDEO_FAMILIES]
+        ("%s %s" % (f, MEDIA_NAME), f, [_user(f)], MEDIA_STEPS) for f in VIDEO_FAMILIES] + [
+        ("qwen3_vl late", "qwen3_vl", [_user("qwen3_vl")], STEPS, True)]
     unpatched = ("unpatched", "qwen3_vl", ["t-%s-without-mixed" % _user("qwen3_vl")], STEPS)
     with tempfile.TemporaryDirectory(prefix="lmms_forwards_") as tmp:
         try:
@@ -143,3 +144,15 @@ def test_lmms_engine_qwen2_5_vl_forward_says_its_image_and_video_tower_calls_are
         restore()
     said = [str(w.message) for w in caught if "never called get_image_features" in str(w.message)]
     assert len(said) == 1 and "vl_model_forward" in said[0], [str(w.message) for w in caught]
+
+
+def test_a_patch_requested_after_lmms_engine_assigned_its_forward_still_reaches_the_class():
+    """The request comes after lmms-engine's monkey patch put its unwrapped function on ``Qwen3VLModel``
+    (``Target.assigned_to``): the class gets the wrapped one, ``status`` says so, and training is exact."""
+    patched, _ = _run()
+    results = [p["qwen3_vl late"] for p in patched]
+    for rank, r in enumerate(results):
+        assert r["forward"] == OPS["qwen3_vl"], r["forward"]
+        accum_jobs.assert_close(r, "fp32", "lmms-engine qwen3_vl, late request, rank %d" % rank)
+        assert r["dummy_forwards"] == sum(kinds[rank] == "text" for kinds in STEPS), r
+        assert any("rebound objects that held the original: Qwen3VLModel.forward" in d for d in r["outcomes"]), r

@@ -5,8 +5,9 @@ lmms-engine 0.1.4's ``use_rmpad`` forwards are installed by its own Liger monkey
 the model is then sharded by its ``apply_fsdp2``.  Both run as released.
 """
 
-def _case(rank, world, family, patches, steps):
-    """One training run of ``family`` through lmms-engine's own forwards and ``apply_fsdp2``."""
+def _case(rank, world, family, patches, steps, late=False):
+    """One training run of ``family`` through lmms-engine's own forwards and ``apply_fsdp2``; ``late``: the
+    patch is requested after lmms-engine's monkey patch assigned its forward (else before, as the bootstrap)."""
     import copy
 
     import fsdp2_compat
@@ -16,10 +17,12 @@ def _case(rank, world, family, patches, steps):
     from fsdp2_compat.tooling.scenarios import train_against_reference, wrapped_module_names
     from fsdp2_compat.tooling.tiny.text import text_only
 
-    if patches:
+    if patches and not late:
         fsdp2_compat.apply(patches)  # before lmms-engine's monkey patch, as the bootstrap is
     frameworks.import_fsdp_utils("lmms-engine")
     restore = install_own_forwards(family)
+    if patches and late:
+        fsdp2_compat.apply(patches)
     try:
         model = tiny.build(family, tie=False, seed=0)
         reference = copy.deepcopy(model)
@@ -44,6 +47,10 @@ def _case(rank, world, family, patches, steps):
         train_against_reference(model, reference, rank, world, result, batches_for, loss_of, steps=len(steps))
         result["dummy_forwards"] = mixed_media.STATS["dummy_forwards"] - dummies
         result["merged_forwards"] = media_merge.STATS["merged_forwards"] - merged
+        if late:
+            from fsdp2_compat.core import engine
+
+            result["outcomes"] = [o.detail for _, o in engine.outcomes(patches) if "lmms_engine" in o.target.module]
         return result
     finally:
         restore()
@@ -51,7 +58,7 @@ def _case(rank, world, family, patches, steps):
 
 
 def patched_then_unpatched(rank, world, directory, cases, unpatched):
-    """Every patched case ``[(name, family, patches, steps)]``, written to ``directory/rank<N>.json``, then the
+    """Every patched case ``[(name, family, patches, steps[, late])]``, written to ``directory/rank<N>.json``, then the
     ``unpatched`` case (whose gloo abort ends the process); this rank's stderr in ``directory/rank<N>.err``."""
     import json
     import os
@@ -61,7 +68,7 @@ def patched_then_unpatched(rank, world, directory, cases, unpatched):
 
     stderr_to_file(directory, rank)
     accum_jobs.register_test_patches()
-    out = {name: _case(rank, world, family, patches, steps) for name, family, patches, steps in cases}
+    out = {name: _case(rank, world, *rest) for name, *rest in cases}
     with open(os.path.join(directory, "rank%d.json" % rank), "w", encoding="utf-8") as fh:
         json.dump(out, fh, default=str)
     name, family, patches, steps = unpatched
