@@ -12,13 +12,13 @@ Read in the 4.6.0 wheel and run through its own code (``tests/integrations/test_
   match expected size``).  Covered by the model's patch (``transformers_media`` targets:
   ``fixes.mixed_media``, ``fixes.media_merge``): requested before the load, ms-swift saves our wrapper; after
   it, the engine rebinds the saved ``origin_forward`` (``core.instances``) and ``status`` names the instance.
-- Qwen2-VL / Qwen2.5-VL / GLM-4.1V templates (``Template._get_inputs_embeds_hf`` from their ``_post_encode``, a
-  forward pre-hook ``register_post_encode_hook`` installs): run the tower on every micro-batch (a 32x32 black
-  image for a text-only one) and call the model with ``inputs_embeds``: right as released. Qwen3.5's template
-  (``Qwen3_5Template._post_encode``) calls the Qwen2-VL one: the same by its code, not run here (no tiny Qwen3.5
-  model). ``fixes.mixed_media`` counts the tower's calls and adds no dummy of its own when the caller ran the
-  tower for the micro-batch (one tower call per micro-batch from the second one on; the first one, before the
-  count exists, gets one more on every rank alike).
+- Qwen2-VL / Qwen2.5-VL / Qwen3.5 / GLM-4.1V templates (``Template._get_inputs_embeds_hf`` from their
+  ``_post_encode``, a forward pre-hook ``register_post_encode_hook`` installs): run the tower on every
+  micro-batch (a 32x32 black image for a text-only one) and call the model with ``inputs_embeds``: right as released
+  (Qwen3.5's ``Qwen3_5Template._post_encode`` calls the Qwen2-VL one; its loader does not replace the forward).
+  ``fixes.mixed_media`` counts the tower's calls and adds no dummy of its own when the caller ran the tower for
+  the micro-batch (one tower call per micro-batch from the second one on; the first one, before the count
+  exists, gets one more on every rank alike).
 - GRPO's Liger loss (``GRPOTrainer.compute_liger_loss``: ``unwrapped_model.lm_head.weight`` into liger's
   chunked loss, inside the root unit's forward): on accelerate 1.14-1.15 a VLM's ``lm_head`` is alone in its
   tail unit and reaches liger sharded (``aten.mm.default got mixed torch.Tensor and DTensor``).  Covered by the
@@ -58,7 +58,7 @@ PATHS = (
     ("swift.template.templates.qwen", "Qwen2VLTemplate._post_encode", {"4.6.0": "56f5eba582f54850"},
      "right as released (Qwen2-VL, Qwen2.5-VL, Qwen3.5)"),
     ("swift.template.templates.qwen", "Qwen3_5Template._post_encode", {"4.6.0": "380d3736f5cf9d1b"},
-     "read, not run: calls Qwen2VLTemplate._post_encode (Qwen3.5)"),
+     "right as released: calls Qwen2VLTemplate._post_encode (Qwen3.5)"),
     ("swift.template.templates.glm", "GLM4VTemplate._post_encode", {"4.6.0": "255e24bcca49d772"},
      "right as released (GLM-4.1V)"),
     ("swift.rlhf_trainers.grpo_trainer", "GRPOTrainer.compute_liger_loss", {"4.6.0": "7abb65bd7fd87d1d"},

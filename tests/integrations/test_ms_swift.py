@@ -12,7 +12,8 @@ data per rank, against an unsharded reference loaded the same way and trained on
   model's patch, ``qwen3vl``), requested before or after ms-swift loaded the model (a late request rebinds
   the saved ``origin_forward``, and ``status`` names it), exact, with one tower call per micro-batch on every
   rank, an image and a video on one rank included (``fixes.media_merge``).
-- Qwen2.5-VL and GLM-4.1V: the template runs the tower itself on every micro-batch (a black image for a
+- Qwen2.5-VL, GLM-4.1V and Qwen3.5 (a tiny Qwen3.5 built in ``support/swift_jobs.py``: ``tooling.tiny`` has
+  none): the template runs the tower itself on every micro-batch (a black image for a
   text-only one) and calls the model with ``inputs_embeds``.  Unpatched, exact (the template's own dummy keeps
   the ranks together); patched, exact too, and no second tower call: one per micro-batch on every rank from
   the second micro-batch on (the first one, before ``fixes.mixed_media`` counts the tower's calls, runs its
@@ -65,8 +66,11 @@ CASES = {
     "qwen2_5_vl image+video": _case("qwen2_5_vl", True, media=("image", "video")),
     "glm4v unpatched": _case("glm4v", False),
     "glm4v": _case("glm4v", True),
+    "qwen3_5 unpatched": _case("qwen3_5", False),
+    "qwen3_5": _case("qwen3_5", True),
+    "qwen3_5 image+video": _case("qwen3_5", True, media=("image", "video")),
 }
-TEMPLATE_RUNS_TOWER = ("qwen2_5_vl", "glm4v")
+TEMPLATE_RUNS_TOWER = ("qwen2_5_vl", "glm4v", "qwen3_5")
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +126,8 @@ def test_ms_swifts_loader_replaces_the_qwen3_vl_instance_forward(swift):
     for name, ranks in swift.items():
         for r in ranks:
             assert r["origin_forward"] == name.startswith("qwen3_vl"), (name, r["loader"])
-    assert {swift[n][0]["loader"] for n in CASES} == {"Qwen3VLLoader", "Qwen2_5VLLoader", "GLM4vLoader"}
+    assert {swift[n][0]["loader"] for n in CASES} == {"Qwen3VLLoader", "Qwen2_5VLLoader", "GLM4vLoader",
+                                                      "Qwen3_5Loader"}
 
 
 @pytest.mark.parametrize("name", [n for n in CASES if n.startswith("qwen3_vl")])

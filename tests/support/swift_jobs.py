@@ -1,6 +1,7 @@
 """ms-swift 4.6.0's own loader and templates on accelerate's FSDP2, 2 CPU gloo ranks (test_ms_swift.py).
 
-Per case, on every rank: a tiny model (``fsdp2_compat.tooling.tiny``) is saved with ``save_pretrained`` and
+Per case, on every rank: a tiny model (``fsdp2_compat.tooling.tiny``; Qwen3.5, which it lacks, from
+``qwen3_5_config`` below in its geometry) is saved with ``save_pretrained`` and
 loaded back through ms-swift's own loader (``get_model_info_meta`` -> the model type's ``ModelLoader``
 subclass -> its ``get_model``: for Qwen3-VL that is where ``_compat_qwen3_vl_mixed_data`` replaces the
 base model's instance ``forward`` and saves ``origin_forward``), twice: the model trained on FSDP2 and the
@@ -32,7 +33,43 @@ SWIFT = {
     "qwen3_vl": ("qwen3_vl", "qwen3_vl"),
     "qwen2_5_vl": ("qwen2_5_vl", "qwen2_5_vl"),
     "glm4v": ("glm4v", "glm4v"),
+    "qwen3_5": ("qwen3_5", "qwen3_5"),
 }
+# Families ``fsdp2_compat.tooling.tiny`` does not build: the config here, the batches of the family named
+BATCHES_OF = {"qwen3_5": "qwen3_vl"}  # Qwen3.5's tower and media inputs are Qwen3-VL's (no deepstack)
+
+
+def qwen3_5_config():
+    """A tiny Qwen3.5 (one linear-attention and one full-attention layer) in ``tiny.configs``' geometry."""
+    import transformers
+
+    from fsdp2_compat.tooling.tiny import configs as c
+
+    text = c._text(False, head_dim=c._HEAD_DIM, layer_types=["linear_attention", "full_attention"],
+                   linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+                   linear_num_value_heads=2,
+                   **c.rope(mrope_section=[2, 3, 3], mrope_interleaved=True, partial_rotary_factor=1.0))
+    vision = dict(depth=1, hidden_size=c._HIDDEN, intermediate_size=c._INTER, num_heads=c._HEADS, in_channels=3,
+                  patch_size=c._PATCH, spatial_merge_size=c._MERGE, temporal_patch_size=c._TPATCH,
+                  out_hidden_size=c._HIDDEN, num_position_embeddings=c._GRID * c._GRID)
+    return transformers.Qwen3_5Config(text_config=text, vision_config=vision, image_token_id=c._IMG,
+                                      video_token_id=c._VID, vision_start_token_id=c._VSTART,
+                                      vision_end_token_id=c._VEND, tie_word_embeddings=False)
+
+
+def build(family, seed=0):
+    """The tiny fp32 model of ``family`` (``tiny.build``, or the config above), weights from ``seed``."""
+    import torch
+    import transformers
+
+    from fsdp2_compat.tooling import tiny
+
+    if family != "qwen3_5":
+        return tiny.build(family, tie=False, seed=seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = transformers.Qwen3_5ForConditionalGeneration(qwen3_5_config())
+    return model.to(dtype=torch.float32, device="cpu").train()
 
 
 def swift_load(family, directory):
@@ -90,7 +127,7 @@ def swift_case(rank, world, directory, family, patches, media=("image",), late=F
         subset.apply(patches)
     with cpu_fsdp():
         if rank == 0:
-            tiny.build(family, tie=False, seed=0).save_pretrained(directory)
+            build(family).save_pretrained(directory)
         dist.barrier()
         model, loader = swift_load(family, directory)
         reference, _ = swift_load(family, directory)
@@ -115,7 +152,8 @@ def swift_case(rank, world, directory, family, patches, media=("image",), late=F
         before = dict(mixed_media.STATS)
 
         def batches_for(step):
-            batches = [tiny.make_batch(family, reference, seed=1 + 10 * step + r, media=media) for r in range(world)]
+            kind = BATCHES_OF.get(family, family)
+            batches = [tiny.make_batch(kind, reference, seed=1 + 10 * step + r, media=media) for r in range(world)]
             return [b if r == step % world else text_only(b, seed=1000 + 10 * step + r) for r, b in enumerate(batches)]
 
         def loss_of(module, batch):
