@@ -22,7 +22,11 @@ preparation, for ``TRL_FAMILIES`` ("TRL SFT, 2 ranks"; see
 ``trl_scenarios``).  Where accelerate 1.14.0-1.15.0 is installed, its FSDP2
 preparation runs with a Liger-style reader of ``lm_head.weight`` (untied
 Qwen2.5-VL) and with a tied text model ("accelerate ..., 2 ranks"; see
-``accelerate_scenarios``).
+``accelerate_scenarios``).  Where axolotl is installed (at a release its
+targets cover), its own FSDP2 preparation runs its LoRA kernels on a DoRA
+model and its KD trainer's ``compute_loss`` on a tiny Qwen2 ("axolotl DoRA
+kernels, 2 ranks": the magnitude gradients off the data-parallel average;
+"axolotl KD trainer, 2 ranks": the resharded head read; see ``engines.axolotl``).
 
 Mixed text/image micro-batches across ranks ("mixed ranks, 2 ranks", Qwen2.5-VL
 through each framework's own wrapping): rank 0 trains on an image, rank 1 on
@@ -60,6 +64,7 @@ import time
 from .rank_cases import captured as _captured, two_ranks as _two_ranks  # noqa: F401  (the rows' runners)
 from .check_table import COLUMNS, _LAST_MIN, format_lines, format_rows, summary_line  # noqa: F401  (check.format_rows)
 from .mixed import FAMILY as MIXED_FAMILY, KIND as MIXED_KIND  # noqa: F401  (the tests read them here)
+from .engines import axolotl as axolotl_rows  # the "axolotl ..." rows
 
 TOL = 1e-5
 VERL_FUSED_PREFIX = "verl.models.transformers."
@@ -328,6 +333,9 @@ def run_checks(families=None, frameworks=None, progress=None):
               for fw, family, patch in mixed.own_forward_cases(versions, families)]
     cases += [(fw, versions[fw], family, patch, moe_scenarios.KIND)
               for fw, family, patch in moe_scenarios.cases(versions, families)]
+    if frameworks is None or "axolotl" in frameworks:
+        cases += [("axolotl", guards.installed_version("axolotl"), family, patch, kind)
+                  for kind, family, patch in axolotl_rows.cases(families)]
     import tempfile
 
     models = tempfile.TemporaryDirectory(prefix="fsdp2_compat_check_models_")
@@ -371,7 +379,9 @@ def run_checks(families=None, frameworks=None, progress=None):
             elif kind == moe_scenarios.KIND:
                 unpatched = moe_scenarios.run_case(framework, family, patch, unpatched=True)
                 patched = moe_scenarios.run_case(framework, family, patch)
-
+            elif kind in axolotl_rows.KINDS:
+                unpatched = axolotl_rows.run_case(kind, family, None)
+                patched = axolotl_rows.run_case(kind, family, patch)
             elif kind in ENGINES:
                 unpatched = _engine(kind, family, None, models.name)
                 patched = _engine(kind, family, patch, models.name)
@@ -426,6 +436,8 @@ def main(args):
     if any(r["kind"] in ("fused, 2 ranks", TRL_KIND) + tuple(k for _, _, k in ACC_CASES) for r in rows):
         print("note: '2 ranks' rows train on two gloo ranks with different data and compare the "
               "lm_head gradient with the data-parallel average; one rank cannot show that bug.")
+    if any(r["kind"] in axolotl_rows.KINDS for r in rows):
+        print(axolotl_rows.NOTE)
     if any(r["kind"] in ENGINES for r in rows):
         print("note: 'verl engine' / 'skyrl strategy' rows train through the framework's own training engine "
               "(2 gloo ranks, different data; CPU stand-ins only for CUDA-only code) and compare every loss, "

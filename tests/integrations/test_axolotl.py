@@ -6,7 +6,7 @@ Through axolotl's released code (``patch_accelerate_fsdp2``: its
 embedding kernels) on a tiny Qwen2 turned PEFT DoRA model (every projection and
 the input embedding), 2 CPU gloo ranks with different data, against an
 unsharded reference with the same kernels trained on the data-parallel average
-(fp32, 1e-5; ``support/axolotl_jobs.py``).  The one stand-in is
+(fp32, 1e-5; ``fsdp2_compat/tooling/engines/axolotl.py``).  The one stand-in is
 ``trl_scenarios.cpu_fsdp`` (accelerate selects FSDP only for GPU-like devices).
 
 Unpatched (axolotl 0.19.0): at the first step, on identical parameters, the
@@ -25,7 +25,7 @@ chunked top-k KL loss with ``compiled=False``, the loss's own option: inductor
 runs on CPU but costs ~16 s a process) on a tiny untied Qwen2 prepared by
 axolotl's ``fsdp2_prepare_model``, 2 ranks with different teacher top-k data,
 against the unsharded reference through the same ``compute_loss``
-(``support/axolotl_jobs.kd_cases``).  ``lm_head`` is not a unit of its own
+(``engines.axolotl.kd_cases``).  ``lm_head`` is not a unit of its own
 (the root holds it with the embedding and the final norm), but accelerate's
 ``reshard_after_forward=True`` (its FSDP2 default, passed on by axolotl) also
 reshards the root after the forward (torch 2.13 keeps the root unsharded only
@@ -50,8 +50,8 @@ pytest.importorskip("axolotl", reason="needs axolotl (the code under test: set t
 from fsdp2_compat import registry  # noqa: E402
 from fsdp2_compat.core import guards  # noqa: E402
 from fsdp2_compat.integrations import axolotl as ax_integration  # noqa: E402
+from fsdp2_compat.tooling.engines import axolotl as axolotl_jobs  # noqa: E402
 from fsdp2_compat.tooling.ranks import run_ranks  # noqa: E402
-from support import axolotl_jobs  # noqa: E402
 
 DEPENDS_ON = ("torch", "transformers", "accelerate", "peft", "axolotl", "liger-kernel", "trl", "datasets")
 
@@ -115,7 +115,7 @@ def test_patched_every_adapter_gradient_is_the_data_parallel_average_over_two_st
 
 # --- the KD trainer's lm_head read ---------------------------------------------------------------------------------
 
-# (family, wrap: axolotl_jobs.KD_WRAPS, patches, an evaluation compute_loss under no_grad before each step)
+# (family, wrap: engines.axolotl.KD_WRAPS, patches, an evaluation compute_loss under no_grad before each step)
 KD_CASES = [(FAMILY, "reshard", None, False), (FAMILY, "reshard", [PATCH], True), (FAMILY, "keep_root", None, False),
             (FAMILY, "size", None, False)]
 KD_UPSTREAM_FAILURE = "aten.mm.default got mixed torch.Tensor and DTensor"

@@ -17,7 +17,8 @@ from fsdp2_compat.core import guards
 from fsdp2_compat.tooling import divergence_check
 
 # The releases this module's outcome depends on: .ci/test runs it once per distinct set of them (.ci/matrix.py).
-DEPENDS_ON = ("torch", "transformers", "verl", "skyrl", "skyrl-train", "areal", "llamafactory", "trl", "accelerate")
+DEPENDS_ON = ("torch", "transformers", "verl", "skyrl", "skyrl-train", "areal", "llamafactory", "trl", "accelerate",
+              "axolotl")
 
 pytestmark = pytest.mark.xdist_group("check")  # one worker runs the command; every test reads its report
 
@@ -51,7 +52,8 @@ def test_check_passes_on_this_stack_and_says_what_it_checked(report):
     assert not any(r["fixed"] is False for r in report["rows"])
     selection = {r["framework"] for r in report["rows"] if r["kind"] == "selection"}
     assert selection == set(FRAMEWORKS), (selection, FRAMEWORKS)
-    if not FRAMEWORKS and not (TRL and guards.in_range(TRL, ">=1.16.0")) and not _accelerate_rows_expected():
+    if (not FRAMEWORKS and not (TRL and guards.in_range(TRL, ">=1.16.0")) and not _accelerate_rows_expected()
+            and not _axolotl_rows_expected()):
         # only the audit's divergence rows, which need transformers alone (divergence_check)
         assert {r["kind"] for r in report["rows"]} <= {divergence_check.KIND}, report["rows"]
     else:
@@ -200,3 +202,30 @@ def test_check_shows_mixed_ranks_abort_unpatched_and_the_dp_average_patched(repo
         assert row["family"] == check.MIXED_FAMILY, row
         assert row["unpatched"].startswith("gloo: ") and mixed.GLOO_MISMATCH in row["unpatched"], row
         assert row["patched"] == "ok" and row["fixed"] and row["patch"] == "qwen2vl", row
+
+
+def _axolotl_rows_expected():
+    from fsdp2_compat.tooling.engines import axolotl
+
+    return {kind for kind, _, _ in axolotl.cases()}
+
+
+@pytest.mark.skipif(not _axolotl_rows_expected(), reason="no axolotl release its targets cover (set tf516)")
+def test_check_shows_axolotls_unaveraged_dora_magnitudes_and_kd_head_crash_and_the_fixes(report):
+    """DoRA through axolotl's LoRA kernels runs but trains a magnitude on each rank's own gradient; the KD
+    trainer crashes on the head the forward resharded; the model's patch makes both data-parallel exact."""
+    from fsdp2_compat import registry
+    from fsdp2_compat.tooling.engines import axolotl
+
+    rows = {r["kind"]: r for r in _rows(report, framework="axolotl")}
+    assert set(rows) == _axolotl_rows_expected(), report["rows"]
+    if axolotl.DORA_KIND in rows:
+        dora = rows[axolotl.DORA_KIND]["unpatched"]
+        assert dora.startswith("runs, but the ") and "lora_magnitude_vector" in dora, dora
+        assert float(dora.rsplit(" ", 1)[1]) > 1e-3, dora
+    if axolotl.KD_KIND in rows:  # needs the KD trainer's trl, liger-kernel, datasets and numba too
+        kd = rows[axolotl.KD_KIND]["unpatched"]
+        assert kd.startswith("step 0: ") and "aten.mm.default got mixed torch.Tensor and DTensor" in kd, kd
+    for row in rows.values():
+        assert row["family"] == "qwen2" and row["patch"] == registry.for_model_type("qwen2").name, row
+        assert row["patched"] == "ok" and row["loss_match"] and row["fixed"], row

@@ -7,6 +7,10 @@ What users run is not ``apply_fsdp2`` alone but a training engine around it:
                       ``optimizer_step``, ``train_batch``), verl >= 0.7;
 - ``skyrl_strategy``  SkyRL's ``FSDPStrategy`` + ``HFModelWrapper`` as its FSDP policy
                       worker drives them (``prepare``, ``backward``, ``optimizer_step``);
+- ``axolotl``         axolotl's own preparation (``patch_accelerate_fsdp2`` under the real
+                      ``Accelerator.prepare``) with its LoRA kernels on a DoRA model, and its
+                      KD trainer's ``compute_loss`` (its one stand-in: ``trl_scenarios.cpu_fsdp``);
+- ``lmms_forwards``   lmms-engine's own padding-free VLM forwards, installed as its runner does;
 - ``cpu``             the CPU stand-ins, each named and narrow: a CPU platform registered
                       through verl's own ``PlatformRegistry``; CPU copies of SkyRL's three
                       CUDA-only helpers (used only where their code is the fingerprinted
