@@ -25,14 +25,18 @@ def _cmd_status(args):
         # Import each installed target module so its outcome is real, not "waiting".
         _, errors = registry.import_installed_targets({t.key for n in chosen for t in registry.patch(n).targets})
     rows = status()
+    from . import integrations
     from .activation.bootstrap import activation_summary
+    from .core import covered
+
+    paths = covered.rows(integrations.INTEGRATIONS)  # frameworks with no seam of their own (ms-swift)
 
     # How fsdp2-compat reaches other processes (start-up .pth, verl plugin, Ray hook).
     activation = activation_summary()
     if args.json:
         json.dump(
             {"requested": list(chosen), "rows": rows, "targets": by_target(rows), "import_errors": errors,
-             "activation": activation},
+             "covered": paths, "activation": activation},
             sys.stdout,
             indent=2,
             default=str,
@@ -53,6 +57,8 @@ def _cmd_status(args):
             print(format_compact(targets, shutil.get_terminal_size((120, 24)).columns))
         for outcome, meaning in legend(rows):
             print("  %-34s %s" % (outcome, meaning))
+        for line in covered.format_lines(paths):
+            print(line)
         for module, error in errors.items():
             print("could not import %s: %s" % (module, error))
         for line in activation["lines"]:
@@ -87,6 +93,13 @@ def _cmd_list(args):
             print("%-14s   %s.%s (%s)" % ("", t.module, t.attr, t.dist))
             for line in classification(t):
                 print("%-14s       %s" % ("", line))
+    from . import integrations
+
+    for integration in integrations.INTEGRATIONS:
+        if integration.covered:
+            print("%-14s no seam of its own; its paths as proven through its code:" % integration.dist)
+            for path in integration.covered:
+                print("%-14s   %s.%s (%s): %s" % ("", path.module, path.attr, ", ".join(path.fingerprints), path.by))
     return 0
 
 

@@ -130,15 +130,42 @@ class Integration:
                  for torch (FSDP2 itself: patched, wrapping nothing)
     callers      modules that import a target by name (aliases the engine rebinds):
                  ``apply_fsdp2``, or TRL's ``add_fused_lm_head``
+    covered      ``Covered`` records: the framework's own code paths, proven through its code,
+                 that no target of its own patches (shared targets fix them, or nothing can);
+                 ``status`` and ``list`` report them (``core.covered``)
     """
 
-    __slots__ = ("dist", "package", "wrap_module", "callers")
+    __slots__ = ("dist", "package", "wrap_module", "callers", "covered")
 
-    def __init__(self, dist, package, wrap_module, callers=()):
+    def __init__(self, dist, package, wrap_module, callers=(), covered=()):
         self.dist = dist
         self.package = package
         self.wrap_module = wrap_module
         self.callers = tuple(callers)
+        self.covered = tuple(covered)
 
     def __repr__(self):
         return "Integration(%s)" % self.dist
+
+
+class Covered:
+    """One code path of a framework, proven through its own code, that the framework's integration does not patch.
+
+    module, attr  the framework's function or ``Class.method`` on that path
+    fingerprints  {release label: fingerprint} of the code the proof ran on
+    by            what makes it right: the shared targets that fix it ("the model's patch:
+                  transformers_media"), "right as released", or why nothing does
+    fixed         False where the path stays broken (an upstream bug no fix here reaches)
+    """
+
+    __slots__ = ("module", "attr", "fingerprints", "by", "fixed")
+
+    def __init__(self, module, attr, fingerprints, by, fixed=True):
+        self.module = module
+        self.attr = attr
+        self.fingerprints = dict(fingerprints)
+        self.by = by
+        self.fixed = fixed
+
+    def __repr__(self):
+        return "Covered(%s.%s)" % (self.module, self.attr)

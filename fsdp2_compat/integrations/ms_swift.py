@@ -33,38 +33,41 @@ Read in the 4.6.0 wheel and run through its own code (``tests/integrations/test_
 - Not in the catalogue: InternVL, Kimi-VL, Keye and Seed templates, whose dummy is DeepSpeed-only too.
 
 ``PATHS`` records the code of each path above as proven (``guards.fingerprint_source``; ``fsdp2-compat
-fingerprint FILE NAME``), and ``test_ms_swift.py`` checks it against the installed release: an ms-swift
-release that changes one of them fails there instead of being assumed covered.
+fingerprint FILE NAME``) as ``Covered`` records of its ``Integration``: ``fsdp2-compat status`` reads the
+installed release's files and says per path "proven" (that code), "proven broken" (GKD) or "unverified" (other
+code: not assumed covered), and ``list`` prints them (``core.covered``); ``test_ms_swift.py`` checks them
+against the installed release.
 
 Fails safe: nothing of ms-swift is patched.  Delete when ms-swift keeps every rank in the tower's
 collectives under FSDP2 itself (its Qwen3-VL dummy not DeepSpeed-only) and the shared targets it relies on
 are deleted (see their modules).
 """
 
-from ..core.records import Integration
+from ..core.records import Covered, Integration
+
+# The ms-swift code the tests prove, per release, and what covers it (``core.covered``: ``status``, ``list``).
+PATHS = (
+    Covered("swift.model.models.qwen", "_compat_qwen3_vl_mixed_data", {"4.6.0": "fe9adf4da06a67a7"},
+            "the model's patch: transformers_media (Qwen3-VL forward), core.instances (a late request)"),
+    Covered("swift.template.base", "Template._get_inputs_embeds_hf", {"4.6.0": "07501ee9d670f640"},
+            "right as released; fixes.mixed_media adds no second tower call"),
+    Covered("swift.template.templates.qwen", "Qwen2VLTemplate._post_encode", {"4.6.0": "56f5eba582f54850"},
+            "right as released (Qwen2-VL, Qwen2.5-VL, Qwen3.5)"),
+    Covered("swift.template.templates.qwen", "Qwen3_5Template._post_encode", {"4.6.0": "380d3736f5cf9d1b"},
+            "right as released: calls Qwen2VLTemplate._post_encode (Qwen3.5)"),
+    Covered("swift.template.templates.glm", "GLM4VTemplate._post_encode", {"4.6.0": "255e24bcca49d772"},
+            "right as released (GLM-4.1V)"),
+    Covered("swift.rlhf_trainers.grpo_trainer", "GRPOTrainer.compute_liger_loss", {"4.6.0": "7abb65bd7fd87d1d"},
+            "the model's patch: integrations.accelerate (the VLM tail unit gets its final norm)"),
+    Covered("swift.rlhf_trainers.gkd_trainer", "GKDTrainer._compute_liger_loss", {"4.6.0": "fd4c61789dd74038"},
+            "not covered: the teacher's base model runs outside its root unit (an ms-swift bug)", fixed=False),
+)
 
 INTEGRATION = Integration(
     dist="ms-swift",
     package="swift",
     wrap_module=None,  # ms-swift prepares models through accelerate (--fsdp fsdp2), not an apply_fsdp2
-)
-
-# (module, name, {release label: fingerprint}, what covers it): the ms-swift code the tests prove, per release.
-PATHS = (
-    ("swift.model.models.qwen", "_compat_qwen3_vl_mixed_data", {"4.6.0": "fe9adf4da06a67a7"},
-     "the model's patch: transformers_media (Qwen3-VL forward), core.instances (a late request)"),
-    ("swift.template.base", "Template._get_inputs_embeds_hf", {"4.6.0": "07501ee9d670f640"},
-     "right as released; fixes.mixed_media adds no second tower call"),
-    ("swift.template.templates.qwen", "Qwen2VLTemplate._post_encode", {"4.6.0": "56f5eba582f54850"},
-     "right as released (Qwen2-VL, Qwen2.5-VL, Qwen3.5)"),
-    ("swift.template.templates.qwen", "Qwen3_5Template._post_encode", {"4.6.0": "380d3736f5cf9d1b"},
-     "right as released: calls Qwen2VLTemplate._post_encode (Qwen3.5)"),
-    ("swift.template.templates.glm", "GLM4VTemplate._post_encode", {"4.6.0": "255e24bcca49d772"},
-     "right as released (GLM-4.1V)"),
-    ("swift.rlhf_trainers.grpo_trainer", "GRPOTrainer.compute_liger_loss", {"4.6.0": "7abb65bd7fd87d1d"},
-     "the model's patch: integrations.accelerate (the VLM tail unit gets its final norm)"),
-    ("swift.rlhf_trainers.gkd_trainer", "GKDTrainer._compute_liger_loss", {"4.6.0": "fd4c61789dd74038"},
-     "not covered: the teacher's base model runs outside its root unit"),
+    covered=PATHS,
 )
 
 TARGETS = ()

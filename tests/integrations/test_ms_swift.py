@@ -94,12 +94,19 @@ def _exact(ranks):
 def test_the_installed_ms_swift_has_the_code_each_recorded_path_was_proven_on():
     import importlib
 
-    for module, name, fingerprints, covered_by in ms_swift.PATHS:
-        obj = importlib.import_module(module)
-        for part in name.split("."):
+    from fsdp2_compat.core import covered
+
+    for path in ms_swift.PATHS:
+        obj = importlib.import_module(path.module)
+        for part in path.attr.split("."):
             obj = getattr(obj, part)
         obj = getattr(obj, "__wrapped__", obj)  # profiling_decorator: functools.wraps
-        assert guards.fingerprint(obj) == fingerprints[SWIFT], (module, name, covered_by)
+        assert guards.fingerprint(obj) == path.fingerprints[SWIFT], path
+    # what `status` says of them, read from the installed files without importing ms-swift
+    rows = covered.rows([ms_swift.INTEGRATION])
+    assert [r["path"] for r in rows] == ["%s.%s" % (p.module, p.attr) for p in ms_swift.PATHS]
+    assert [r["outcome"] for r in rows] == ["proven"] * (len(rows) - 1) + ["proven broken"], rows
+    assert all(r["detail"].startswith("code of %s: " % SWIFT) for r in rows), rows
 
 
 def test_ms_swift_has_an_integration_and_no_target_of_its_own():
