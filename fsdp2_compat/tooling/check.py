@@ -26,7 +26,10 @@ Qwen2.5-VL) and with a tied text model ("accelerate ..., 2 ranks"; see
 targets cover), its own FSDP2 preparation runs its LoRA kernels on a DoRA
 model and its KD trainer's ``compute_loss`` on a tiny Qwen2 ("axolotl DoRA
 kernels, 2 ranks": the magnitude gradients off the data-parallel average;
-"axolotl KD trainer, 2 ranks": the resharded head read; see ``engines.axolotl``).
+"axolotl KD trainer, 2 ranks": the resharded head read; see ``engines.axolotl``).  Where ms-swift is
+installed with the code its proven paths record, its own loader's Qwen3-VL forward runs a text-only rank
+against an image rank ("ms-swift Qwen3-VL forward, 2 ranks": gloo's abort unpatched) and GRPO's Liger loss
+reads a VLM's head ("ms-swift GRPO Liger, 2 ranks"; see ``engines.ms_swift``).
 
 Mixed text/image micro-batches across ranks ("mixed ranks, 2 ranks", Qwen2.5-VL
 through each framework's own wrapping): rank 0 trains on an image, rank 1 on
@@ -65,6 +68,7 @@ from .rank_cases import captured as _captured, two_ranks as _two_ranks  # noqa: 
 from .check_table import COLUMNS, _LAST_MIN, format_lines, format_rows, summary_line  # noqa: F401  (check.format_rows)
 from .mixed import FAMILY as MIXED_FAMILY, KIND as MIXED_KIND  # noqa: F401  (the tests read them here)
 from .engines import axolotl as axolotl_rows  # the "axolotl ..." rows
+from .engines import ms_swift as swift_rows  # the "ms-swift ..." rows
 
 TOL = 1e-5
 VERL_FUSED_PREFIX = "verl.models.transformers."
@@ -336,6 +340,9 @@ def run_checks(families=None, frameworks=None, progress=None):
     if frameworks is None or "axolotl" in frameworks:
         cases += [("axolotl", guards.installed_version("axolotl"), family, patch, kind)
                   for kind, family, patch in axolotl_rows.cases(families)]
+    if frameworks is None or "ms-swift" in frameworks:
+        cases += [("ms-swift", guards.installed_version("ms-swift"), family, patch, kind)
+                  for kind, family, patch in swift_rows.cases(families)]
     import tempfile
 
     models = tempfile.TemporaryDirectory(prefix="fsdp2_compat_check_models_")
@@ -379,9 +386,10 @@ def run_checks(families=None, frameworks=None, progress=None):
             elif kind == moe_scenarios.KIND:
                 unpatched = moe_scenarios.run_case(framework, family, patch, unpatched=True)
                 patched = moe_scenarios.run_case(framework, family, patch)
-            elif kind in axolotl_rows.KINDS:
-                unpatched = axolotl_rows.run_case(kind, family, None)
-                patched = axolotl_rows.run_case(kind, family, patch)
+            elif kind in axolotl_rows.KINDS or kind in swift_rows.KINDS:
+                rows_of = axolotl_rows if kind in axolotl_rows.KINDS else swift_rows
+                unpatched = rows_of.run_case(kind, family, None)
+                patched = rows_of.run_case(kind, family, patch)
             elif kind in ENGINES:
                 unpatched = _engine(kind, family, None, models.name)
                 patched = _engine(kind, family, patch, models.name)
@@ -436,8 +444,9 @@ def main(args):
     if any(r["kind"] in ("fused, 2 ranks", TRL_KIND) + tuple(k for _, _, k in ACC_CASES) for r in rows):
         print("note: '2 ranks' rows train on two gloo ranks with different data and compare the "
               "lm_head gradient with the data-parallel average; one rank cannot show that bug.")
-    if any(r["kind"] in axolotl_rows.KINDS for r in rows):
-        print(axolotl_rows.NOTE)
+    for rows_of in (axolotl_rows, swift_rows):
+        if any(r["kind"] in rows_of.KINDS for r in rows):
+            print(rows_of.NOTE)
     if any(r["kind"] in ENGINES for r in rows):
         print("note: 'verl engine' / 'skyrl strategy' rows train through the framework's own training engine "
               "(2 gloo ranks, different data; CPU stand-ins only for CUDA-only code) and compare every loss, "

@@ -140,7 +140,13 @@ def run_case(framework, family, patch, own_forwards=False):
     with tempfile.TemporaryDirectory(prefix="fsdp2_compat_mixed_") as tmp:
         result = _two_ranks(quiet_train_mixed, framework, family, patch, tmp, own_forwards, retries=0,
                             pg_timeout=PG_TIMEOUT, timeout=PG_TIMEOUT + 120)
-        gloo = gloo_error(tmp, 2)
+        return gloo_verdict(result, tmp)
+
+
+def gloo_verdict(result, stderr_dir, world=2):
+    """``result`` of a failed run whose ranks' stderr (``stderr_dir``) carries gloo's mismatch message: its
+    error becomes that message (what aborted the rank; the other rank's error is only the abort's echo)."""
+    gloo = gloo_error(stderr_dir, world)
     if result.get("error") is not None and gloo is not None:
         result["error"] = "gloo: " + gloo.split("] ", 1)[-1]
     return result

@@ -1,9 +1,9 @@
 """ms-swift 4.6.0 with ``--fsdp fsdp2``: its own loader and templates, a text-only rank against a media rank.
 
-Through ms-swift's released code (``support/swift_jobs.py``: its ``ModelLoader`` subclasses build the model
-from a saved tiny checkpoint, its templates' ``register_post_encode_hook`` runs ``_post_encode`` before every
-forward) on accelerate's real FSDP2 preparation (``TRANSFORMER_BASED_WRAP``), 2 CPU gloo ranks, different
-data per rank, against an unsharded reference loaded the same way and trained on the data-parallel average
+Through ms-swift's released code (``fsdp2_compat/tooling/engines/ms_swift.py``: its ``ModelLoader`` subclasses
+build the model from a saved tiny checkpoint, its templates' ``register_post_encode_hook`` runs ``_post_encode``
+before every forward) on accelerate's real FSDP2 preparation (``TRANSFORMER_BASED_WRAP``), 2 CPU gloo ranks,
+different data per rank, against an unsharded reference loaded the same way and trained on the data-parallel average
 (fp32, 1e-5).  Each step one rank has media (an image, or an image and a video) and the other is text-only.
 
 - Qwen3-VL: the loader's ``_compat_qwen3_vl_mixed_data`` replaces the base model's instance ``forward`` and
@@ -12,12 +12,12 @@ data per rank, against an unsharded reference loaded the same way and trained on
   model's patch, ``qwen3vl``), requested before or after ms-swift loaded the model (a late request rebinds
   the saved ``origin_forward``, and ``status`` names it), exact, with one tower call per micro-batch on every
   rank, an image and a video on one rank included (``fixes.media_merge``).
-- Qwen2.5-VL, GLM-4.1V and Qwen3.5 (a tiny Qwen3.5 built in ``support/swift_jobs.py``: ``tooling.tiny`` has
-  none): the template runs the tower itself on every micro-batch (a black image for a
-  text-only one) and calls the model with ``inputs_embeds``.  Unpatched, exact (the template's own dummy keeps
-  the ranks together); patched, exact too, and no second tower call: one per micro-batch on every rank from
-  the second micro-batch on (the first one, before ``fixes.mixed_media`` counts the tower's calls, runs its
-  dummy on every rank alike: two calls, the same on every rank).
+- Qwen2.5-VL, GLM-4.1V and Qwen3.5 (a tiny Qwen3.5 built in ``tooling/engines/ms_swift.py``: ``tooling.tiny``
+  has none): the template runs the tower itself on every micro-batch (a black image for a text-only one) and
+  calls the model with ``inputs_embeds``.  Unpatched, exact (the template's own dummy keeps the ranks
+  together); patched, exact too, and no second tower call: one per micro-batch on every rank from the second
+  micro-batch on (the first one, before ``fixes.mixed_media`` counts the tower's calls, runs its dummy on
+  every rank alike: two calls, the same on every rank).
 """
 
 import os
@@ -34,7 +34,7 @@ from fsdp2_compat import registry  # noqa: E402
 from fsdp2_compat.core import guards  # noqa: E402
 from fsdp2_compat.integrations import ms_swift  # noqa: E402
 from fsdp2_compat.tooling.ranks import RankError, run_ranks  # noqa: E402
-from support import swift_jobs  # noqa: E402
+from fsdp2_compat.tooling.engines import ms_swift as swift_engine  # noqa: E402
 
 DEPENDS_ON = ("torch", "transformers", "accelerate", "ms-swift")
 
@@ -78,7 +78,7 @@ def swift():
     """Every case of ``CASES`` on one rank pair: ``{name: [rank 0 result, rank 1 result]}``."""
     names = list(CASES)
     with tempfile.TemporaryDirectory(prefix="fsdp2_compat_swift_") as tmp:
-        results = run_ranks(swift_jobs.swift_cases, 2, tmp, [CASES[n] for n in names], timeout=300, pg_timeout=60)
+        results = run_ranks(swift_engine.swift_cases, 2, tmp, [CASES[n] for n in names], timeout=300, pg_timeout=60)
     return {n: [results[0][i], results[1][i]] for i, n in enumerate(names)}
 
 
@@ -119,7 +119,7 @@ def test_ms_swift_has_an_integration_and_no_target_of_its_own():
 def test_unpatched_a_text_only_rank_breaks_qwen3_vl_under_ms_swifts_own_forward(tmp_path):
     case = _case("qwen3_vl", False)
     try:
-        got = run_ranks(swift_jobs.swift_cases, 2, str(tmp_path), [case], timeout=120, retries=0, pg_timeout=20)
+        got = run_ranks(swift_engine.swift_cases, 2, str(tmp_path), [case], timeout=120, retries=0, pg_timeout=20)
         outcomes = [r[0]["error"] for r in got]
     except RankError as exc:
         outcomes = [exc.errors.get(rank, ("reported nothing else", ""))[0] for rank in range(2)]

@@ -1,119 +1,19 @@
-"""ms-swift 4.6.0's Liger losses on accelerate's FSDP2, 2 CPU gloo ranks (tests/integrations/test_ms_swift_liger.py).
+"""ms-swift 4.6.0's GKD Liger loss on accelerate's FSDP2, 2 CPU gloo ranks (tests/integrations/test_ms_swift_liger.py).
 
-- ``grpo``: ``GRPOTrainer.compute_loss`` with ``use_liger_loss`` (its body as released, past the
-  ``profiling_decorator``): ``_ForwardRedirection`` routes ``compute_liger_loss`` through the root unit's
-  forward, which runs the base model for the last hidden state and hands ``unwrapped_model.lm_head.weight``
-  to liger-kernel's ``LigerFusedLinearGRPOLoss`` (built as ``GRPOTrainer.__init__`` builds it).
-- ``gkd``: ``GKDTrainer._compute_liger_loss`` through the same redirection, in the four lines of its
-  ``compute_loss``'s liger branch (the rest of ``compute_loss`` needs a ``GKDBatch`` from its rollout): student
-  and teacher base models, then liger-kernel's ``LigerFusedLinearJSDLoss`` on ``student_head.weight`` and
-  ``teacher_head.weight`` (the teacher through ms-swift's own ``prepare_fsdp``, as its rollout mixin prepares
-  a local teacher under FSDP).
-
-The trainers are real instances whose ``__init__`` is skipped (it needs datasets, a rollout engine, reward
-functions), with the attributes these methods read set as ``__init__`` sets them (``args``: a namespace with the
-two fields read; ``tooling/trl_scenarios`` does the same for TRL's trainers). ``read`` records, through a
-forward pre-hook on the liger loss module, the type of the head weight(s) that reached it. The unsharded
-reference runs the same method on the same batches and trains on the data-parallel average. Stand-in:
+``gkd``: ``GKDTrainer._compute_liger_loss`` through ``_ForwardRedirection``, in the four lines of its
+``compute_loss``'s liger branch (the rest of ``compute_loss`` needs a ``GKDBatch`` from its rollout): student and
+teacher base models, then liger-kernel's ``LigerFusedLinearJSDLoss`` on ``student_head.weight`` and
+``teacher_head.weight`` (the teacher through ms-swift's own ``prepare_fsdp``, as its rollout mixin prepares a
+local teacher under FSDP).  The trainer is a real instance whose ``__init__`` is skipped, with the attributes the
+method reads set as ``__init__`` sets them; ``read`` records, through a forward pre-hook on the liger loss module,
+the types of the head weights that reached it.  GRPO's Liger loss, which ``fsdp2-compat check`` runs too, lives in
+``fsdp2_compat/tooling/engines/ms_swift.py`` (``grpo_liger``); ``liger_cases`` runs either.  Stand-in:
 ``trl_scenarios.cpu_fsdp`` only.
 """
 
 import copy
 
-K = 6  # completion tokens: the last K of each row
-TEMPLATES = {"qwen2": "qwen2_5", "qwen2_5_vl": "qwen2_5_vl", "qwen3_vl": "qwen3_vl"}  # ms-swift's template types
-
-
-def _template(family):
-    """ms-swift's template of ``family`` (``compute_liger_loss`` reads only its ``padding_free``)."""
-    from swift.template.register import TEMPLATE_MAPPING
-
-    meta = TEMPLATE_MAPPING[TEMPLATES[family]]
-    return meta.template_cls(None, meta)
-
-
-def _metrics():
-    import collections
-
-    return {"train": collections.defaultdict(list), "eval": collections.defaultdict(list)}
-
-
-def _grpo_trainer(model, acc, template, multimodal):
-    import inspect
-    import types
-
-    import transformers
-    from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
-    from swift.rlhf_trainers.grpo_trainer import GRPOTrainer
-    from swift.rlhf_trainers.utils import _ForwardRedirection
-
-    trainer = GRPOTrainer.__new__(GRPOTrainer)
-    trainer.model, trainer.accelerator, trainer.template = model, acc, template
-    trainer.use_liger_loss, trainer.chord_sft_iterator = True, None
-    trainer.advantage_estimator, trainer.beta, trainer.is_multimodal = "grpo", 0.0, multimodal
-    trainer.rollout_importance_sampling_mode, trainer.disable_rollout_importance_sampling = None, True
-    trainer.model_kwarg_keys = inspect.signature(type(model).forward).parameters.keys()
-    trainer.control, trainer._metrics = transformers.TrainerControl(), _metrics()
-    trainer.args = types.SimpleNamespace(report_to=[])  # what profiling_context reads of GRPOConfig
-    trainer.liger_grpo_loss = LigerFusedLinearGRPOLoss(  # GRPOTrainer.__init__'s arguments, GRPOConfig's defaults
-        beta=0.0, compiled=False, epsilon_low=0.2, epsilon_high=0.2, temperature=1.0, use_ref_model=False,
-        loss_type="grpo", max_completion_length=K, importance_sampling_level="token")
-    trainer._forward_redirection = _ForwardRedirection()
-    return trainer
-
-
-def _grpo_inputs(family, reference, seed):
-    import torch
-    from swift.rl_core.data import GRPOBatch
-
-    from fsdp2_compat.tooling import tiny
-
-    batch = tiny.make_batch(family, reference, seed=seed)
-    batch.pop("labels")
-    rows = batch["input_ids"].shape[0]
-    gen = torch.Generator().manual_seed(seed)
-    grpo = GRPOBatch(completion_mask=torch.ones(rows, K), truncated_mask=torch.zeros(rows, dtype=torch.bool),
-                     seq_lengths=torch.full((rows,), batch["input_ids"].shape[1]),
-                     advantages=torch.randn(rows, K, generator=gen), logits_to_keep=K)
-    return {"model_inputs": batch, "grpo_batch": grpo}
-
-
-def grpo_liger(rank, world, family, patches, steps=2, lr=0.05):
-    """``GRPOTrainer.compute_loss`` (Liger) on accelerate's FSDP2 against the DP reference."""
-    import torch
-    from swift.rlhf_trainers.grpo_trainer import GRPOTrainer
-
-    from fsdp2_compat.tooling import subset, tiny
-    from fsdp2_compat.tooling.scenarios import train_against_reference
-    from fsdp2_compat.tooling.trl_scenarios import cpu_fsdp, make_accelerator, rank_env
-
-    rank_env(rank, world)
-    subset.apply(patches)
-    compute_loss = GRPOTrainer.compute_loss.__wrapped__  # past profiling_decorator (it logs timings)
-    with cpu_fsdp():
-        model = tiny.build(family, tie=False, seed=0)
-        reference = copy.deepcopy(model)
-        template, multimodal = _template(family), hasattr(model.config, "vision_config")
-        acc = make_accelerator()
-        model, _ = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=lr))
-        trainer = _grpo_trainer(model, acc, template, multimodal)
-        seen = []  # instrumentation: the type of the head weight reaching liger's loss
-        trainer.liger_grpo_loss.register_forward_pre_hook(
-            lambda m, args, kwargs: seen.append(type(kwargs["lin_weight"]).__name__), with_kwargs=True)
-        ref_trainer = _grpo_trainer(reference, acc, template, multimodal)
-        result = {"error": None, "losses": [], "loss_err": 0.0, "grad_err": 0.0, "worst_grad": None,
-                  "param_err": 0.0, "grads_checked": 0, "head": type(model.lm_head.weight).__name__,
-                  "head_unit": _unit_of(model, model.lm_head), "read": seen}
-
-        def loss_of(module, inputs):
-            if module is model:
-                return compute_loss(trainer, model, inputs), None
-            return ref_trainer.compute_liger_loss(reference, inputs["model_inputs"], inputs["grpo_batch"]), None
-
-        def batches_for(step):
-            return [_grpo_inputs(family, reference, seed=1 + 10 * step + r) for r in range(world)]
-
-        return train_against_reference(model, reference, rank, world, result, batches_for, loss_of, steps, lr)
+from fsdp2_compat.tooling.engines.ms_swift import grpo_liger, unit_of
 
 
 def _gkd_trainer(student, acc, teacher):
@@ -162,8 +62,8 @@ def gkd_liger(rank, world, family, patches, steps=2, lr=0.05):
             lambda m, args, kwargs: seen.append((type(kwargs["student_weight"]).__name__,
                                                  type(kwargs["teacher_weight"]).__name__)), with_kwargs=True)
         result = {"error": None, "losses": [], "loss_err": 0.0, "grad_err": 0.0, "worst_grad": None,
-                  "param_err": 0.0, "grads_checked": 0, "head_unit": _unit_of(model, model.lm_head),
-                  "teacher_head_unit": _unit_of(teacher, teacher.lm_head), "read": seen}
+                  "param_err": 0.0, "grads_checked": 0, "head_unit": unit_of(model, model.lm_head),
+                  "teacher_head_unit": unit_of(teacher, teacher.lm_head), "read": seen}
 
         def loss_of(module, batch):
             forward_inputs = {k: v for k, v in batch.items() if k != "labels"}
@@ -178,20 +78,6 @@ def gkd_liger(rank, world, family, patches, steps=2, lr=0.05):
             return [tiny.make_batch(family, reference, seed=1 + 10 * step + r) for r in range(world)]
 
         return train_against_reference(model, reference, rank, world, result, batches_for, loss_of, steps, lr)
-
-
-def _unit_of(model, module):
-    """The name of the FSDP2 unit whose parameters include ``module``'s (its own, or an enclosing one)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    owned = {id(p) for p in module.parameters()}
-    units = [(n, m) for n, m in model.named_modules() if isinstance(m, FSDPModule)]
-    for name, unit in sorted(units, key=lambda u: -len(u[0])):
-        state = unit._get_fsdp_state()
-        group = state._fsdp_param_group
-        if group is not None and owned & {id(fp.sharded_param) for fp in group.fsdp_params}:
-            return name or "<root>"
-    return None
 
 
 def liger_cases(rank, world, cases):

@@ -18,7 +18,7 @@ from fsdp2_compat.tooling import divergence_check
 
 # The releases this module's outcome depends on: .ci/test runs it once per distinct set of them (.ci/matrix.py).
 DEPENDS_ON = ("torch", "transformers", "verl", "skyrl", "skyrl-train", "areal", "llamafactory", "trl", "accelerate",
-              "axolotl")
+              "axolotl", "ms-swift", "liger-kernel")
 
 pytestmark = pytest.mark.xdist_group("check")  # one worker runs the command; every test reads its report
 
@@ -53,7 +53,7 @@ def test_check_passes_on_this_stack_and_says_what_it_checked(report):
     selection = {r["framework"] for r in report["rows"] if r["kind"] == "selection"}
     assert selection == set(FRAMEWORKS), (selection, FRAMEWORKS)
     if (not FRAMEWORKS and not (TRL and guards.in_range(TRL, ">=1.16.0")) and not _accelerate_rows_expected()
-            and not _axolotl_rows_expected()):
+            and not _axolotl_rows_expected() and not _ms_swift_rows_expected()):
         # only the audit's divergence rows, which need transformers alone (divergence_check)
         assert {r["kind"] for r in report["rows"]} <= {divergence_check.KIND}, report["rows"]
     else:
@@ -229,3 +229,36 @@ def test_check_shows_axolotls_unaveraged_dora_magnitudes_and_kd_head_crash_and_t
     for row in rows.values():
         assert row["family"] == "qwen2" and row["patch"] == registry.for_model_type("qwen2").name, row
         assert row["patched"] == "ok" and row["loss_match"] and row["fixed"], row
+
+
+def _ms_swift_rows_expected():
+    from fsdp2_compat.tooling.engines import ms_swift
+
+    return {kind for kind, _, _ in ms_swift.cases()}
+
+
+@pytest.mark.skipif(not _ms_swift_rows_expected(), reason="no ms-swift with the code its paths were proven on "
+                                                          "(set tf516swift)")
+def test_check_shows_ms_swifts_text_only_rank_abort_and_grpo_head_crash_and_the_fixes(report):
+    """Through ms-swift's own code: its loader's Qwen3-VL forward lets a text-only rank skip the tower's
+    collectives (gloo aborts); GRPO's Liger loss reads a VLM's head still sharded; the model's patch makes both
+    data-parallel exact."""
+    from fsdp2_compat import registry
+    from fsdp2_compat.tooling import mixed
+    from fsdp2_compat.tooling.engines import ms_swift
+
+    rows = {r["kind"]: r for r in _rows(report, framework="ms-swift")}
+    assert set(rows) == _ms_swift_rows_expected(), report["rows"]
+    if ms_swift.FORWARD_KIND in rows:
+        forward = rows[ms_swift.FORWARD_KIND]
+        assert forward["family"] == "qwen3_vl", forward
+        assert forward["unpatched"].startswith("gloo: ") and mixed.GLOO_MISMATCH in forward["unpatched"], forward
+    if ms_swift.GRPO_KIND in rows:  # needs trl, liger-kernel and accelerate's lm_head tail unit (1.14.0-1.15.0)
+        grpo = rows[ms_swift.GRPO_KIND]
+        assert grpo["family"] == "qwen2_5_vl", grpo
+        assert grpo["unpatched"].startswith("step 0: ") and "aten.mm.default got mixed torch.Tensor and DTensor" \
+            in grpo["unpatched"], grpo
+    for row in rows.values():
+        assert row["version"] == guards.installed_version("ms-swift"), row
+        assert row["patch"] == registry.for_model_type(row["family"]).name, row
+        assert row["patched"] == "ok" and row["loss_match"] and row["loss_err"] < 1e-5 and row["fixed"], row

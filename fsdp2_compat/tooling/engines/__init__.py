@@ -11,6 +11,9 @@ What users run is not ``apply_fsdp2`` alone but a training engine around it:
                       ``Accelerator.prepare``) with its LoRA kernels on a DoRA model, and its
                       KD trainer's ``compute_loss`` (its one stand-in: ``trl_scenarios.cpu_fsdp``);
 - ``lmms_forwards``   lmms-engine's own padding-free VLM forwards, installed as its runner does;
+- ``ms_swift``        ms-swift's own loader (its Qwen3-VL instance forward) and templates, and
+                      GRPO's Liger loss, on accelerate's FSDP2 (``trl_scenarios.cpu_fsdp``; the
+                      template's processor: a namespace with transformers' image processor);
 - ``cpu``             the CPU stand-ins, each named and narrow: a CPU platform registered
                       through verl's own ``PlatformRegistry``; CPU copies of SkyRL's three
                       CUDA-only helpers (used only where their code is the fingerprinted
