@@ -19,9 +19,6 @@ GLM-4.1V has no lmms-engine forward: it runs transformers' through lmms-engine's
 ``apply_fsdp2``, proven with a text-only rank in ``test_mixed_ranks.py``.
 """
 
-import os
-import tempfile
-
 import pytest
 
 pytest.importorskip("torch", reason="needs torch (real FSDP2 on CPU gloo)")
@@ -29,7 +26,6 @@ pytest.importorskip("transformers", reason="needs transformers (tiny models)")
 
 from fsdp2_compat import registry  # noqa: E402
 from fsdp2_compat.core import guards  # noqa: E402
-from fsdp2_compat.tooling.ranks import RankError, run_ranks  # noqa: E402
 from support import accum_jobs  # noqa: E402
 
 DEPENDS_ON = ("torch", "transformers", "lmms-engine", "liger-kernel")
@@ -63,29 +59,14 @@ def _run():
     """Both families patched, then Qwen3-VL unpatched, in one pair of rank processes."""
     if "run" in _RESULTS:
         return _RESULTS["run"]
-    import json
-
-    from support import lmms_jobs
+    from support import lmms_jobs, mixed_jobs
 
     cases = [(f, f, [_user(f)], STEPS) for f in FAMILIES] + [
         ("%s %s" % (f, MEDIA_NAME), f, [_user(f)], MEDIA_STEPS) for f in VIDEO_FAMILIES] + [
         ("qwen3_vl late", "qwen3_vl", [_user("qwen3_vl")], STEPS, True)]
     unpatched = ("unpatched", "qwen3_vl", ["t-%s-without-mixed" % _user("qwen3_vl")], STEPS)
-    with tempfile.TemporaryDirectory(prefix="lmms_forwards_") as tmp:
-        try:
-            got = run_ranks(lmms_jobs.patched_then_unpatched, 2, tmp, cases, unpatched,
-                            timeout=PG_TIMEOUT + 240, retries=0, pg_timeout=PG_TIMEOUT)
-            outcomes = [r["error"] for r in got]
-        except RankError as exc:
-            outcomes = [exc.errors.get(rank, ("reported nothing else", ""))[0] for rank in range(2)]
-        patched, stderr = [], []
-        for rank in range(2):
-            path = os.path.join(tmp, "rank%d.json" % rank)
-            patched.append(json.load(open(path, encoding="utf-8")) if os.path.exists(path) else None)
-            path = os.path.join(tmp, "rank%d.err" % rank)
-            stderr.append(open(path, encoding="utf-8", errors="replace").read() if os.path.exists(path) else "")
-    assert None not in patched, "a rank died before its patched results were written: %s %s" % (outcomes, stderr)
-    _RESULTS["run"] = patched, list(zip(outcomes, stderr))
+    _RESULTS["run"] = mixed_jobs.collect_patched_then_unpatched(
+        lmms_jobs.patched_then_unpatched, (cases, unpatched), lambda r: r["error"], PG_TIMEOUT, "lmms_forwards_")
     return _RESULTS["run"]
 
 

@@ -60,16 +60,11 @@ def _case(rank, world, family, patches, steps, late=False):
 def patched_then_unpatched(rank, world, directory, cases, unpatched):
     """Every patched case ``[(name, family, patches, steps[, late])]``, written to ``directory/rank<N>.json``, then the
     ``unpatched`` case (whose gloo abort ends the process); this rank's stderr in ``directory/rank<N>.err``."""
-    import json
-    import os
-
     from fsdp2_compat.tooling.mixed import stderr_to_file
-    from support import accum_jobs
+    from support import accum_jobs, mixed_jobs
 
     stderr_to_file(directory, rank)
     accum_jobs.register_test_patches()
-    out = {name: _case(rank, world, *rest) for name, *rest in cases}
-    with open(os.path.join(directory, "rank%d.json" % rank), "w", encoding="utf-8") as fh:
-        json.dump(out, fh, default=str)
+    mixed_jobs.write_patched(directory, rank, {name: _case(rank, world, *rest) for name, *rest in cases})
     name, family, patches, steps = unpatched
     return _case(rank, world, family, patches, steps)

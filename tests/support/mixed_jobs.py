@@ -99,25 +99,41 @@ def patched_then_unpatched(rank, world, directory, framework, families, cases, u
     ``(family, case)``, the case's patches ``"user-without-mixed"``.  Returns the unpatched result, if the
     rank lived to report it.
     """
-    import json
-    import os
-
     from fsdp2_compat.tooling.mixed import stderr_to_file
 
     stderr_to_file(directory, rank)
-    patched = per_family(rank, world, framework, families, cases)
-    with open(os.path.join(directory, "rank%d.json" % rank), "w", encoding="utf-8") as out:
-        json.dump(patched, out, default=str)
+    write_patched(directory, rank, per_family(rank, world, framework, families, cases))
     family, case = unpatched
     return per_family(rank, world, framework, [family], [case])[family]
+
+
+def write_patched(directory, rank, results):
+    """``results`` to ``directory/rank<N>.json``, before an unpatched case whose gloo abort ends the rank
+    (``collect_patched_then_unpatched`` reads them back)."""
+    import json
+    import os
+
+    with open(os.path.join(directory, "rank%d.json" % rank), "w", encoding="utf-8") as out:
+        json.dump(results, out, default=str)
 
 
 def run_patched_then_unpatched(framework, families, cases, unpatched, pg_timeout, prefix):
     """Run ``patched_then_unpatched`` on 2 gloo ranks (from the test process) and collect what it left.
 
-    ``({family: [rank results]}, [(unpatched outcome, stderr)] per rank)``: the patched results come from the
-    files the ranks wrote before the unpatched case (whose abort ends them); a rank that died before writing
-    them fails here, with every rank's outcome and stderr.
+    ``({family: [rank results]}, [(unpatched outcome, stderr)] per rank)``: see ``collect_patched_then_unpatched``.
+    """
+    patched, ranks = collect_patched_then_unpatched(
+        patched_then_unpatched, (framework, families, cases, unpatched), lambda r: r["unpatched"]["error"],
+        pg_timeout, prefix)
+    return {f: [p[f] for p in patched] for f in families}, ranks
+
+
+def collect_patched_then_unpatched(fn, args, unpatched_error, pg_timeout, prefix):
+    """Run ``fn(rank, 2, directory, *args)`` on 2 gloo ranks: it writes its patched results first
+    (``write_patched``), its stderr to ``directory/rank<N>.err``, then runs an unpatched case whose outcome
+    ``unpatched_error(returned)`` reads.  ``([patched results per rank], [(unpatched outcome, stderr)] per
+    rank)``: the patched results come from the files (the unpatched case's abort ends the ranks); a rank that
+    died before writing them fails here, with every rank's outcome and stderr.
     """
     import json
     import os
@@ -127,9 +143,8 @@ def run_patched_then_unpatched(framework, families, cases, unpatched, pg_timeout
 
     with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
         try:
-            got = run_ranks(patched_then_unpatched, 2, tmp, framework, families, cases, unpatched,
-                            timeout=pg_timeout + 240, retries=0, pg_timeout=pg_timeout)
-            outcomes = [r["unpatched"]["error"] for r in got]
+            got = run_ranks(fn, 2, tmp, *args, timeout=pg_timeout + 240, retries=0, pg_timeout=pg_timeout)
+            outcomes = [unpatched_error(r) for r in got]
         except RankError as exc:
             outcomes = [exc.errors.get(rank, ("reported nothing else", ""))[0] for rank in range(2)]
         patched, stderr = [], []
@@ -139,7 +154,7 @@ def run_patched_then_unpatched(framework, families, cases, unpatched, pg_timeout
             path = os.path.join(tmp, "rank%d.err" % rank)
             stderr.append(open(path, encoding="utf-8", errors="replace").read() if os.path.exists(path) else "")
     assert None not in patched, "a rank died before its patched results were written: %s %s" % (outcomes, stderr)
-    return {f: [p[f] for p in patched] for f in families}, list(zip(outcomes, stderr))
+    return patched, list(zip(outcomes, stderr))
 
 
 def strategy_with_stderr_file(rank, world, directory, *args, **kwargs):

@@ -92,12 +92,13 @@ def install_own_forwards(family):
     patch_module, patch_name, ops_name, liger_name = FAMILIES[family]
     import_models_package()
     ops = importlib.import_module(ops_name)
+    from lmms_engine.kernels.attention import sdpa_varlen_attn
+
+    # Only where flash-attn is absent (its names then undefined in the ops module); a module that never
+    # calls one of them ignores it.
     ops.__dict__.setdefault("index_first_axis", _index_first_axis)
     ops.__dict__.setdefault("rearrange", rearrange)
-    if "flash_attn_varlen_func" in ops.__dict__ or family == "qwen2_5_vl":
-        from lmms_engine.kernels.attention import sdpa_varlen_attn
-
-        ops.flash_attn_varlen_func = sdpa_varlen_attn
+    ops.__dict__.setdefault("flash_attn_varlen_func", sdpa_varlen_attn)
     importlib.import_module(liger_name).LigerFusedLinearCrossEntropyLoss = CpuFusedLinearCrossEntropy
     modeling = importlib.import_module("transformers.models.%s.modeling_%s" % (family, family))
     saved_globals = dict(vars(modeling))
