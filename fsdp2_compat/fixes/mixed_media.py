@@ -49,8 +49,13 @@ to them before the call.  Cost: only when torch.distributed is initialised
 with more than one rank, the micro-batch has no media, the call is not a
 cached decoding step (every rank decodes without media), and the vision tower
 holds FSDP2-sharded parameters (units of its own or an enclosing unit).  The
-dummy's forward is a few patches through the tower (``benchmarks/mixed_ranks.py``
-measures it); its collectives are those of one image micro-batch.
+dummy's collectives are those of one image micro-batch.  Its compute is a few
+patches through the tower, but on a GPU a tower call costs latency whatever
+its input (per-block Python, launches, host syncs: 0.6 of an image step at
+Qwen2.5-VL-7B geometry on an H200): so only a model's first text-only
+micro-batch runs the real dummy, recorded, and every later one walks the
+recorded units through FSDP2's own hooks without the tower's code
+(``fixes.unit_walk``; ``benchmarks/text_only_cost.py`` times both).
 
 A caller that runs the tower itself and passes ``inputs_embeds`` only (ms-swift's
 Qwen2-VL / Qwen2.5-VL templates: image features, or a dummy image's for a
@@ -105,7 +110,7 @@ a unit that one rank skips.
 
 import weakref
 
-from . import media_merge, media_towers
+from . import media_merge, media_towers, unit_walk
 
 # Inputs that carry media into a wrapped base model forward (every family; per family: media_towers).
 MEDIA_INPUTS = media_towers.media_inputs()
@@ -187,30 +192,19 @@ def needed_for(model):
 
 def zero_contribution(model, device, run=None):
     """``0 * sum(every floating output)`` of the model's own media path on its tower's minimal dummy
-    (``media_towers``: one merged image token), a 0-dim tensor.  ``run``: another dummy run of the
-    tower's (its ``pad``), instead of ``Tower.run``."""
-    out = (run or media_towers.for_model(model).run)(model, device)
+    (``media_towers``: one merged image token), a 0-dim tensor (or None: nothing of it needs a gradient).
+    ``run``: another dummy run of the tower's (its ``pad``), instead of ``Tower.run``.  From the second
+    training micro-batch of a model on, ``unit_walk`` issues the same collectives without the tower's code."""
     STATS["dummy_forwards"] += 1
+    return unit_walk.zero(model, run or media_towers.for_model(model).run, device, _zero_of_output)
+
+
+def _zero_of_output(out):
     total = None
-    for t in _floating(out):
+    for t in unit_walk.floating(out):
         term = (t * 0).sum()
         total = term if total is None else total + term
     return total
-
-
-def _floating(value):
-    """Every floating-point tensor in an output (tensors, tuples, lists, dicts and ``ModelOutput``s)."""
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        if value.is_floating_point():
-            yield value
-    elif isinstance(value, dict):  # ModelOutput is an OrderedDict
-        for v in value.values():
-            yield from _floating(v)
-    elif isinstance(value, (tuple, list)):
-        for v in value:
-            yield from _floating(v)
 
 
 def _with_zero(embeds, zero):
@@ -240,13 +234,6 @@ def _bound(wrapped, bound_method, args, kwargs):
     return sig.bind_partial(*args, **kwargs)
 
 
-def _in_backward():
-    import torch
-
-    task = getattr(torch._C, "_current_graph_task_id", None)
-    return task is not None and task() != -1
-
-
 def _count_tower_calls(tower):
     """The tower's call counter, installing its forward hook on first use (``None`` on that first use: the
     calls before it are unknown)."""
@@ -256,7 +243,7 @@ def _count_tower_calls(tower):
     calls = _TOWER_CALLS[tower] = [0]
 
     def count(module, inputs, output):
-        if not _in_backward():  # a gradient checkpoint's recompute is no call of the caller's
+        if not unit_walk.in_backward():  # a gradient checkpoint's recompute is no call of the caller's
             calls[0] += 1
 
     tower.register_forward_hook(count)

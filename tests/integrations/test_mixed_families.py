@@ -43,8 +43,11 @@ from support import accum_jobs, mixed_jobs  # noqa: E402
 DEPENDS_ON = ("torch", "transformers")
 
 PG_TIMEOUT = 20
-STEPS = ((("image",), ("text",)), (("text",), ("image",)))  # rank 0 image / rank 1 text-only, then the reverse
-ACCUM_STEPS = ((("image", "text"), ("text", "image")),)  # two micro-batches per rank, the first one's sync deferred
+# rank 0 image / rank 1 text-only, then the reverse, then again: a rank's first text-only micro-batch records its
+# dummy, the next one is walked (fixes.unit_walk) beside the other rank's image
+STEPS = ((("image",), ("text",)), (("text",), ("image",)), (("image",), ("text",)))
+# two micro-batches per rank, the first one's sync deferred; each rank walks in the second step
+ACCUM_STEPS = ((("image", "text"), ("text", "image")), (("text", "image"), ("image", "text")))
 # Sync on every micro-batch, and deferred (fp32 exact; bf16 parameters within bf16 tolerance): test_mixed_ranks' cases.
 PATCHED_CASES = ("fp32 every", "fp32 deferred", "bf16 deferred")
 # Mixture-of-experts families: bf16 parameters may route a token to other experts than the fp32 reference
@@ -57,7 +60,8 @@ MOE = ("glm4v_moe", "qwen3_vl_moe", "qwen3_5_moe", "step3p7")
 DISCRETE = MOE + ("chameleon",)  # (GLM-Image's codes matched the fp32 reference's in bf16: 5.10.4, 5.16.1, 5.24.0)
 # Step-3.7 and DeepSeek-OCR-2 run their tower twice with local crops: every micro-batch without crops runs a dummy
 # (media_towers.pad), so each rank's image micro-batch runs one too.  Crops against an image without: CROPS_STEPS.
-DUMMIES = {"step3p7": [2, 2], "deepseek_ocr2": [2, 2]}
+# Their text-only dummy calls a vision unit twice: recorded, never walked (unit_walk); their crop-only dummy is.
+PADDED = ("step3p7", "deepseek_ocr2")
 CROPS_STEPS = ((("image+crops",), ("text",)), (("image",), ("image+crops",)))
 MISMATCH = "Received data size doesn't match expected size. Is there a distributed collective mismatch"
 FAMILIES = ("glm4v_moe", "glm46v", "qwen3_vl_moe", "qwen2_vl", "qwen3_5_moe", "lfm2_vl", "paddleocr_vl", "qwen2_audio",
@@ -82,23 +86,6 @@ CANNOT_SERVE = {
 }
 
 
-# accelerate's FSDP2 preparation (fsdp_transformer_layer_cls_to_wrap from _no_split_modules) refuses these
-# before sharding anything, patched or not: nothing to prove there about mixed ranks.
-ACCELERATE_CANNOT_WRAP = {
-    "chameleon": "accelerate's FSDP2 preparation raises 'Could not find the transformer layer class "
-                 "ChameleonSwinDecoderLayer in the model' (a _no_split_modules class the model builds only with "
-                 "swin_norm)",
-    "lfm2_vl": "accelerate's FSDP2 preparation raises 'Could not find the transformer layer class "
-               "Siglip2MultiheadAttentionPoolingHead in the model' (a _no_split_modules class LFM2-VL never builds)",
-}
-
-
-# SkyRL's apply_fsdp2 (0.4.0) reads model.config.tie_word_embeddings, which these configs lack (5.16.1-5.24.0).
-SKYRL_CANNOT_WRAP = {
-    "step3p7": "SkyRL's apply_fsdp2 raises AttributeError: 'Step3p7Config' object has no attribute "
-               "'tie_word_embeddings'",
-}
-
 FRAMEWORK, NO_FRAMEWORK = mixed_jobs.generic_framework()
 
 
@@ -116,10 +103,8 @@ def _runnable():
                 reason = "transformers %s has no %s" % (transformers.__version__, TEST_ONLY_CLASS[family])
         elif reason is None and tiny.wrappable(family) is not True:
             reason = str(tiny.wrappable(family))
-        if reason is None and FRAMEWORK == "accelerate" and family in ACCELERATE_CANNOT_WRAP:
-            reason = ACCELERATE_CANNOT_WRAP[family]
-        if reason is None and FRAMEWORK == "skyrl" and family in SKYRL_CANNOT_WRAP:
-            reason = SKYRL_CANNOT_WRAP[family]
+        if reason is None:
+            reason = mixed_jobs.cannot_wrap(FRAMEWORK, family)
         out[family] = reason
     return out
 
@@ -157,6 +142,22 @@ def _steps(case):
     return STEPS if case.endswith("every") else ACCUM_STEPS
 
 
+def _expected(case, what, family=None):
+    """Per rank: the dummies ``case`` runs (one per text-only micro-batch; a padded family's image micro-batch
+    runs its crop dummy too), or the walks (each dummy kind's later runs; a padded family's text-only dummy
+    never)."""
+    out = []
+    for rank in range(2):
+        kinds = [k for step in _steps(case) for k in accum_jobs.rank_kinds(step, rank)]
+        texts, images = kinds.count("text"), kinds.count("image")
+        if what == "dummies":
+            out.append(texts + (images if family in PADDED else 0))
+        else:
+            out.append((0 if family in PADDED else max(texts - 1, 0)) + (max(images - 1, 0) if family in PADDED
+                                                                           else 0))
+    return out
+
+
 @pytest.mark.parametrize("case", PATCHED_CASES)
 @pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.xdist_group("mixed-families"), id=f)
                                     for f in FAMILIES])
@@ -170,9 +171,11 @@ def test_patched_mixed_ranks_train_to_the_dp_average(family, case):
     results = patched[family]
     for rank, r in enumerate(results):
         accum_jobs.assert_close(r[case], case.split()[0], "%s %s %s rank %d" % (FRAMEWORK, family, case, rank))
-    # each rank has one text-only micro-batch: one dummy vision forward each, never on an image micro-batch
-    # (so the fix found the tower FSDP2-managed: units of its own, or PaddleOCR-VL's root unit around it)
-    assert [r[case]["dummy_forwards"] for r in results] == DUMMIES.get(family, [1, 1]), results
+    # one dummy vision forward per text-only micro-batch, never on an image micro-batch (so the fix found the
+    # tower FSDP2-managed: units of its own, or PaddleOCR-VL's root unit around it); the first of each kind
+    # records, the later ones walk
+    assert [r[case]["dummy_forwards"] for r in results] == _expected(case, "dummies", family), results
+    assert [r[case]["walks"] for r in results] == _expected(case, "walks", family), results
     if family == "glm_image":  # one tokenizer call per micro-batch: the dummy's, and the two source images' merged
         assert [r[case]["vq_encodes"] for r in results] == [2, 2], results
     if case.startswith("fp32"):  # (bf16 losses may round to the same value on both ranks)
@@ -214,7 +217,7 @@ def test_a_tower_the_fix_cannot_serve_is_left_alone_and_the_fix_says_why(family)
 
 
 @pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.xdist_group("mixed-families"), id=f)
-                                    for f in sorted(DUMMIES)])
+                                    for f in PADDED])
 def test_local_crops_on_one_rank_and_none_on_another_train_to_the_dp_average(family):
     """Step-3.7's and DeepSeek-OCR-2's forwards run the tower again for local crops: a rank with crops beside
     one without (or text only) issues more collectives.  Patched, the rank without crops runs the crop call on
@@ -231,5 +234,6 @@ def test_local_crops_on_one_rank_and_none_on_another_train_to_the_dp_average(fam
         accum_jobs.assert_close(r, "fp32", "%s %s crops rank %d" % (FRAMEWORK, family, rank))
     # rank 0: its image without crops (step 1) pads; rank 1: its text-only micro-batch (step 0)
     assert [r["dummy_forwards"] for r in results] == [1, 1], results
+    assert [r["walks"] for r in results] == [0, 0], results  # (each rank's first dummy of its kind: recorded)
     assert any(MISMATCH in outcome or MISMATCH in stderr for outcome, stderr in ranks), ranks
     assert not any(outcome is None for outcome, _ in ranks), ranks

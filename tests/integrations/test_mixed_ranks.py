@@ -40,9 +40,12 @@ DEPENDS_ON = ("torch", "transformers", "{framework}")
 
 _close = accum_jobs.assert_close  # fp32 1e-5; bf16 within bf16 tolerance
 PG_TIMEOUT = 20
-# rank 0 image / rank 1 text-only, then the reverse; with accumulation, each rank mixes too
-STEPS = ((("image",), ("text",)), (("text",), ("image",)))
-ACCUM_STEPS = ((("image", "text"), ("text", "image")),)  # the first micro-batch deferred, the second synced
+# rank 0 image / rank 1 text-only, then the reverse, then again: a rank's first text-only micro-batch records its
+# dummy, the next one is walked (fixes.unit_walk) beside the other rank's image; with accumulation, each rank
+# mixes too (the first micro-batch of a step deferred, the second synced; each rank walks in the second step)
+STEPS = ((("image",), ("text",)), (("text",), ("image",)), (("image",), ("text",)))
+ACCUM_STEPS = ((("image", "text"), ("text", "image")), (("text", "image"), ("image", "text")))
+SHORT_STEPS = STEPS[:2]  # where only the first text-only micro-batch matters (unpatched, verl's own forwards)
 MISMATCH = "Received data size doesn't match expected size. Is there a distributed collective mismatch"
 
 FAMILIES = ("qwen2_5_vl", "qwen3_vl", "glm4v", "qwen3_5")  # qwen3_5: accum_jobs.tiny_qwen3_5 (test-only)
@@ -118,7 +121,7 @@ def _unpatched(framework, family):
     """
     key = ("unpatched", framework, family)
     if key not in _RESULTS:
-        cases = [("unpatched", "user-without-mixed", "fp32", "every", STEPS)]
+        cases = [("unpatched", "user-without-mixed", "fp32", "every", SHORT_STEPS)]
         with tempfile.TemporaryDirectory(prefix="mixed_ranks_") as tmp:
             try:
                 got = run_ranks(mixed_jobs.with_stderr_file, 2, tmp, framework, [family], cases,
@@ -149,10 +152,12 @@ def test_patched_mixed_ranks_train_to_the_dp_average(framework, family, case):
     results = _patched(framework, family)
     for rank, r in enumerate(results):
         _close(r[case], case.split()[0], "%s %s %s rank %d" % (framework, family, case, rank))
-    # the text-only rank ran the dummy vision forward, once per text-only micro-batch; the image rank never
+    # the text-only rank ran the dummy vision forward, once per text-only micro-batch; the image rank never;
+    # each rank's first one recorded (the real dummy), the later ones walked the units
     text_micro_batches = [sum(k == "text" for step in (STEPS if case.endswith("every") else ACCUM_STEPS)
                               for k in step[rank]) for rank in range(2)]
     assert [r[case]["dummy_forwards"] for r in results] == text_micro_batches, results
+    assert [r[case]["walks"] for r in results] == [max(n - 1, 0) for n in text_micro_batches], results
     if case.startswith("fp32"):  # (bf16 losses may round to the same value on both ranks)
         assert results[0][case]["losses"] != results[1][case]["losses"], "same data on both ranks"
 
@@ -171,7 +176,8 @@ VERL_FAMILIES = ("qwen2_5_vl", "qwen3_vl")  # verl's GLM4V dummy hard-codes 1176
 def test_verl_own_forwards_need_nothing_and_get_no_second_dummy(framework, family):
     key = ("verl own", framework)
     if key not in _RESULTS:
-        cases = [("with", "user", "fp32", "every", STEPS), ("without", "user-without-mixed", "fp32", "every", STEPS)]
+        cases = [("with", "user", "fp32", "every", SHORT_STEPS),
+                 ("without", "user-without-mixed", "fp32", "every", SHORT_STEPS)]
         _RESULTS[key] = run_ranks(mixed_jobs.per_family, 2, framework, VERL_FAMILIES, cases, kwargs={"fused": True},
                                   timeout=300)
     for rank, per_family in enumerate(_RESULTS[key]):

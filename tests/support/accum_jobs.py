@@ -282,7 +282,7 @@ def _one_case(rank, world, framework, family, fused, patches, policy, sync, step
     import copy
 
     import fsdp2_compat
-    from fsdp2_compat.fixes import gather, media_merge, mixed_media, vq_tokens
+    from fsdp2_compat.fixes import gather, media_merge, mixed_media, unit_walk, vq_tokens
     from fsdp2_compat.tooling import scenarios
 
     if patches:
@@ -301,6 +301,7 @@ def _one_case(rank, world, framework, family, fused, patches, policy, sync, step
               "never_gathered_after_first": None, "grads": [], "lm_head_sharded_after_backward": []}
     releases_before = gather.STATS["early_releases"]
     dummies_before = mixed_media.STATS["dummy_forwards"]
+    walks_before = unit_walk.STATS["walks"]
     merged_before = media_merge.STATS["merged_forwards"]
     encodes_before = vq_tokens.STATS["encodes"]
     lm_head = getattr(model, "lm_head", None)
@@ -354,6 +355,7 @@ def _one_case(rank, world, framework, family, fused, patches, policy, sync, step
             model_class.forward = saved_forward
     result["early_releases"] = gather.STATS["early_releases"] - releases_before
     result["dummy_forwards"] = mixed_media.STATS["dummy_forwards"] - dummies_before
+    result["walks"] = unit_walk.STATS["walks"] - walks_before  # of which walked (fixes.unit_walk)
     result["merged_forwards"] = media_merge.STATS["merged_forwards"] - merged_before
     result["vq_encodes"] = vq_tokens.STATS["encodes"] - encodes_before  # GLM-Image's one tokenizer call
     return result

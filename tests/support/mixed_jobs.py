@@ -26,6 +26,30 @@ def generic_framework():
     return None, "no wrapping framework (%s) and no TRL in this pinned set" % ", ".join(PREFERRED)
 
 
+# accelerate's FSDP2 preparation (fsdp_transformer_layer_cls_to_wrap from _no_split_modules) refuses these
+# before sharding anything, patched or not: nothing to prove there about mixed ranks.
+ACCELERATE_CANNOT_WRAP = {
+    "chameleon": "accelerate's FSDP2 preparation raises 'Could not find the transformer layer class "
+                 "ChameleonSwinDecoderLayer in the model' (a _no_split_modules class the model builds only with "
+                 "swin_norm)",
+    "lfm2_vl": "accelerate's FSDP2 preparation raises 'Could not find the transformer layer class "
+               "Siglip2MultiheadAttentionPoolingHead in the model' (a _no_split_modules class LFM2-VL never builds)",
+}
+
+
+# SkyRL's apply_fsdp2 (0.4.0) reads model.config.tie_word_embeddings, which these configs lack (5.16.1-5.24.0).
+SKYRL_CANNOT_WRAP = {
+    "step3p7": "SkyRL's apply_fsdp2 raises AttributeError: 'Step3p7Config' object has no attribute "
+               "'tie_word_embeddings'",
+}
+
+
+def cannot_wrap(framework, family):
+    """Why ``framework``'s own sharding refuses ``family``'s tiny model before sharding anything (None: it wraps
+    it): nothing to prove there about mixed ranks."""
+    return {"accelerate": ACCELERATE_CANNOT_WRAP, "skyrl": SKYRL_CANNOT_WRAP}.get(framework, {}).get(family)
+
+
 def with_stderr_file(rank, world, directory, *args, **kwargs):
     """``per_family(rank, world, *args)`` with this rank's fd 2 in ``directory/rank<N>.err``."""
     from fsdp2_compat.tooling.mixed import stderr_to_file

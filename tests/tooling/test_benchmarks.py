@@ -35,6 +35,7 @@ RUN_BY = {
     "moe_experts.py": "test_moe_experts_benchmark_runs",
     "moved_params.py": "test_moved_params_benchmark_covers_every_selection_family",
     "seam_calls.py": "test_seam_calls_benchmark_runs",
+    "text_only_cost.py": "test_text_only_cost_benchmark_runs",
     "startup.py": "tests/activation/test_processes.py::test_startup_benchmark_runs_and_imports_nothing_heavy",
 }
 
@@ -151,3 +152,11 @@ def test_lm_head_release_benchmark_runs():
     _verl_fused_09()
     out = _run("lm_head_release.py")
     assert "micro-batch 0" in out
+
+
+@pytest.mark.depends_on("torch", "transformers")
+def test_text_only_cost_benchmark_runs():
+    _needs("transformers")
+    out = _run("text_only_cost.py", "--depth", "2", "--layers", "0", "--vocab", "512", "--tokens", "32", "--image",
+               "56", "--runs", "1")
+    assert "walk / dummy" in out and "aten ops added" in out, out

@@ -1,0 +1,252 @@
+"""What the mixed-ranks fix adds to a text-only micro-batch, in wall-clock time, at real tower geometry (issue #40).
+
+A text-only rank must issue its vision units' collectives (``fixes.mixed_media``).
+It did that by running the model's own media path on a minimal dummy image
+every time; now only its first text-only micro-batch does (the record), and
+every later one walks the units through FSDP2's hooks without the tower's code
+(``fixes.unit_walk``).  For a real-size vision tower (``--family``; the
+published config, ``tests/support/real_size.py``) beside a text side of
+``--layers`` decoder layers at the real hidden size and a ``--vocab``-token
+vocabulary (the same text side in every row: the rows differ only in the
+vision path), one ``fully_shard`` per ``_no_split_modules`` class plus the
+root, fp32 on this machine's CPU, it times one forward + backward of:
+
+  text   a text-only micro-batch, no fix (what an unpatched rank runs)
+  dummy  the same plus the real dummy media path (the record, every time)
+  walk   the same plus the walk
+  image  an image micro-batch (``--image`` pixels square)
+
+and prints, in one run: the median milliseconds, what dummy and walk add to
+text (ms, and as a fraction of text), walk / dummy, and the aten operators
+each dispatches (forward + backward).  On one process (default) the units'
+collectives are local copies, so the added time is the fix's own compute and
+FSDP2's hooks; ``--ranks 2`` runs two gloo ranks (their collectives included;
+both ranks text-only).  The fix runs only with more than one rank: here the
+embedding's forward hook calls ``mixed_media.zero_contribution``, its own
+code path, as the fix's hook does.
+
+    python benchmarks/text_only_cost.py                       # Qwen2.5-VL-7B's tower, 1 process
+    python benchmarks/text_only_cost.py --ranks 2 --depth 8   # two gloo ranks, 8 of its 32 blocks
+
+On a GPU the dummy is latency-bound (a tower call costs per-block Python,
+launches and host syncs whatever its input): ``benchmarks/gpu_check.py``
+times the same rows there.
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+
+ROWS = ("text", "dummy", "walk", "image")
+
+
+def build(family, depth, layers, vocab, device="cpu", dtype=None):
+    """The real-size model of ``family`` with ``depth`` vision blocks (None: all), ``layers`` text layers and a
+    ``vocab``-token vocabulary, untied, in train mode."""
+    import torch
+    import transformers
+
+    from fsdp2_compat.tooling import tiny
+    from fsdp2_compat.tooling.tiny.configs import CLASSES
+    from support.real_size import real_size_config
+
+    config = real_size_config(family)
+    text = config.get_text_config()
+    text.num_hidden_layers, text.vocab_size = layers, vocab
+    config.tie_word_embeddings = text.tie_word_embeddings = False
+    for offset, name in enumerate(("image_token_id", "video_token_id", "vision_start_token_id",
+                                   "vision_end_token_id", "image_start_token_id", "image_end_token_id")):
+        if getattr(config, name, None) is not None:  # special tokens inside the smaller vocabulary
+            setattr(config, name, vocab - 1 - offset)
+    if depth:
+        config.vision_config.depth = depth
+        if hasattr(config.vision_config, "fullatt_block_indexes"):
+            config.vision_config.fullatt_block_indexes = [i for i in config.vision_config.fullatt_block_indexes
+                                                          if i < depth] or [depth - 1]
+        if hasattr(config.vision_config, "deepstack_visual_indexes"):
+            config.vision_config.deepstack_visual_indexes = [i for i in config.vision_config.deepstack_visual_indexes
+                                                             if i < depth]
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = tiny.quiet(getattr(transformers, CLASSES[family][0]), config)
+    if dtype is not None:
+        model.to(dtype)
+    return model.train()
+
+
+def shard(model, mesh, mp_policy=None):
+    from torch.distributed.fsdp import fully_shard
+
+    names = set(model._no_split_modules)
+    kwargs = {"mesh": mesh}
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
+    for module in model.modules():
+        if type(module).__name__ in names:
+            fully_shard(module, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def batches(model, family, tokens, image_side, device="cpu"):
+    """``{"text": ..., "image": ...}`` micro-batches of ``tokens`` tokens; the image is ``image_side`` pixels
+    square (patches of the tower's geometry), its merged tokens in place of as many text tokens (the image
+    micro-batch is longer where they do not fit)."""
+    import torch
+
+    vision = model.config.vision_config
+    patch, merge = vision.patch_size, vision.spatial_merge_size
+    side = image_side // patch // merge * merge
+    grid = torch.tensor([[1, side, side]], device=device)
+    width = vision.in_channels * vision.temporal_patch_size * patch * patch
+    n_image = side * side // (merge * merge)
+    gen = torch.Generator().manual_seed(0)
+    vocab = model.config.get_text_config().vocab_size
+    ids = torch.randint(3, vocab - 8, (1, max(tokens, n_image + 8)), generator=gen).to(device)
+    text = {"input_ids": ids[:, :tokens], "attention_mask": torch.ones_like(ids[:, :tokens]),
+            "labels": ids[:, :tokens].clone()}
+    image_ids = ids.clone()
+    image_ids[0, 4:4 + n_image] = model.config.image_token_id
+    image = {"input_ids": image_ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone(),
+             "pixel_values": torch.randn(side * side, width, generator=gen).to(device), "image_grid_thw": grid}
+    image["labels"][0, 4:4 + n_image] = -100
+    return {"text": text, "image": image}
+
+
+class OpCounter:
+    """Counts the aten operators dispatched inside it (``TorchDispatchMode``)."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                counter.ops += 1
+                return func(*args, **(kwargs or {}))
+
+        self.ops = 0
+        self.mode = Mode()
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.mode.__exit__(*exc)
+
+
+def with_fix(model, row):
+    """Install the fix's zero contribution on the embedding output for ``row``; returns an undo.  "walk": the
+    fix's own ``mixed_media.zero_contribution`` (its first call records, the later ones walk); "dummy": the
+    real dummy media path every time (what every text-only micro-batch ran before the walk)."""
+    from fsdp2_compat.fixes import media_towers, mixed_media
+
+    base = model.model
+    run = media_towers.for_model(base).run
+
+    def add_zero(module, inputs, output):
+        if row == "dummy":
+            zero = mixed_media._zero_of_output(run(base, output.device))
+        else:
+            zero = mixed_media.zero_contribution(base, output.device)
+        return output if zero is None else output + zero.to(output.dtype)
+
+    handle = base.get_input_embeddings().register_forward_hook(add_zero)
+    return handle.remove
+
+
+def step(model, batch, sync=None):
+    model(**batch).loss.backward()
+    if sync:
+        sync()
+    model.zero_grad(set_to_none=True)
+
+
+def measure(model, family, runs, tokens, image_side, sync=None, device="cpu"):
+    """``{row: (median seconds, aten ops)}``."""
+    from fsdp2_compat.fixes import media_towers, unit_walk
+
+    data = batches(model, family, tokens, image_side, device)
+    out = {}
+    for row in ROWS:
+        undo = with_fix(model, row) if row in ("dummy", "walk") else (lambda: None)
+        try:
+            batch = data["image" if row == "image" else "text"]
+            step(model, batch, sync)  # warm-up (and the walk's record)
+            walks = unit_walk.STATS["walks"]
+            times = []
+            for _ in range(runs):
+                start = time.perf_counter()
+                step(model, batch, sync)
+                times.append(time.perf_counter() - start)
+            if row == "walk" and unit_walk.STATS["walks"] - walks != runs:
+                raise RuntimeError("the walk did not run: %s" % unit_walk.why_not(
+                    model.model, media_towers.for_model(model.model).run))
+            with OpCounter() as counter:
+                step(model, batch, sync)
+            out[row] = (statistics.median(times), counter.ops)
+        finally:
+            undo()
+    return out
+
+
+def _rank(rank, world, args):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = shard(build(args["family"], args["depth"], args["layers"], args["vocab"]), init_device_mesh("cpu", (world,)))
+    return measure(model, args["family"], args["runs"], args["tokens"], args["image"])
+
+
+def report(results, label):
+    text = results["text"][0]
+    print(label)
+    print("%-6s %10s %10s %12s %12s" % ("row", "ms", "+ms", "+ / text", "aten ops"))
+    for row in ROWS:
+        seconds, ops = results[row]
+        added = seconds - text
+        print("%-6s %10.1f %10s %12s %12d" % (row, 1e3 * seconds, "" if row == "text" else "%+.1f" % (1e3 * added),
+                                             "" if row == "text" else "%.2f" % (added / text), ops))
+    dummy, walk = results["dummy"][0] - text, results["walk"][0] - text
+    print("walk / dummy, added time: %.3f; aten ops added: dummy %d, walk %d" % (
+        walk / dummy if dummy > 0 else float("nan"), results["dummy"][1] - results["text"][1],
+        results["walk"][1] - results["text"][1]))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--family", default="qwen2_5_vl", choices=("qwen2_5_vl", "qwen3_vl", "glm4v"))
+    parser.add_argument("--depth", type=int, default=None, help="vision blocks (default: the real number)")
+    parser.add_argument("--layers", type=int, default=1, help="text decoder layers")
+    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--tokens", type=int, default=256, help="tokens per micro-batch")
+    parser.add_argument("--image", type=int, default=448, help="image side in pixels")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--ranks", type=int, default=1)
+    args = parser.parse_args()
+
+    from fsdp2_compat.tooling import tiny
+    from fsdp2_compat.tooling.ranks import run_ranks
+
+    if tiny.available(args.family) is not True:
+        print("%s: %s" % (args.family, tiny.available(args.family)))
+        return 0
+    import torch
+    import transformers
+
+    config = vars(args)
+    results = run_ranks(_rank, args.ranks, config, timeout=3600, pg_timeout=600)
+    for rank, r in enumerate(results):
+        report(r, "%s tower (%s blocks), %d text layer(s), %d tokens, fp32 CPU, torch %s, transformers %s, "
+                  "%d rank(s): rank %d" % (args.family, args.depth or "all", args.layers, args.tokens,
+                                           torch.__version__, transformers.__version__, args.ranks, rank))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
