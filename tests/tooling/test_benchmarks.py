@@ -36,6 +36,7 @@ RUN_BY = {
     "moved_params.py": "test_moved_params_benchmark_covers_every_selection_family",
     "seam_calls.py": "test_seam_calls_benchmark_runs",
     "text_only_cost.py": "test_text_only_cost_benchmark_runs",
+    "gpu_check.py": "test_gpu_check_runs_its_cases_on_the_cpu",
     "startup.py": "tests/activation/test_processes.py::test_startup_benchmark_runs_and_imports_nothing_heavy",
 }
 
@@ -160,3 +161,14 @@ def test_text_only_cost_benchmark_runs():
     out = _run("text_only_cost.py", "--depth", "2", "--layers", "0", "--vocab", "512", "--tokens", "32", "--image",
                "56", "--runs", "1")
     assert "walk / dummy" in out and "aten ops added" in out, out
+
+
+@pytest.mark.depends_on("torch", "verl")
+def test_gpu_check_runs_its_cases_on_the_cpu():
+    """The GPU script (run on a lent device machine) as a CPU smoke run: each case's unpatched failure and
+    patched run through verl, and the cost rows at a small geometry (Liger's Triton kernel skipped)."""
+    _needs("transformers", "verl")
+    out = _run("gpu_check.py", "--device", "cpu", "--quick", timeout=600)
+    assert "selection | unpatched: RuntimeError: aten.grid_sampler_2d.default got mixed torch.Tensor and DTensor" \
+        in out and "patched (glm4v): trains" in out, out
+    assert "cost      | walk" in out, out
