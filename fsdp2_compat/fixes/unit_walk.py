@@ -244,10 +244,11 @@ class _Record:
 
     def _check_recompute(self, calls):
         if len(calls) > 1:
-            # Step-3.7 / DeepSeek-OCR-2 run their tower twice (a view, then a crop): the unit's two backward
-            # passes share one gradient accumulation per parameter, and where it reduces depends on autograd's
-            # scheduling (measured: with reentrant checkpoints in the decoder, the walk reduced once, the dummy
-            # twice).  Not walked.
+            # Step-3.7 / DeepSeek-OCR-2 run their tower twice (a view, then a crop, on independent inputs): the
+            # unit's two backward passes share each parameter's gradient accumulation, and whether it reduces
+            # once or twice depends on how autograd schedules them (measured with gradient checkpointing on
+            # in transformers 5.24.0: the dummy reduced twice, the walk once; without it they agreed).  Not
+            # walked: those families keep the real dummy.
             self._refuse("the media path calls %s %d times" % (type(calls[0].unit()).__name__, len(calls)))
         for call in calls:
             if call.recomputed not in (0, len(calls)):

@@ -57,7 +57,9 @@ MOE = ("glm4v_moe", "qwen3_vl_moe", "qwen3_5_moe", "step3p7")
 # Chameleon turns an image into codebook ids (a nearest-code choice, discrete like routing): in bf16 a patch may
 # take another code than in the fp32 reference, and the text layers then see other tokens (skyrl040, 5.16.1:
 # 0.17 of max on a k_norm bias).  Its claim is the exact fp32 one too.
-DISCRETE = MOE + ("chameleon",)  # (GLM-Image's codes matched the fp32 reference's in bf16: 5.10.4, 5.16.1, 5.24.0)
+# GLM-Image's codes are discrete too: they matched the fp32 reference's in bf16 over one step (5.10.4, 5.16.1, 5.24.0),
+# not over two on 5.8.0 (0.018 on a text v_proj bias, the walk off or on: the same figure).
+DISCRETE = MOE + ("chameleon", "glm_image")
 # Step-3.7 and DeepSeek-OCR-2 run their tower twice with local crops: every micro-batch without crops runs a dummy
 # (media_towers.pad), so each rank's image micro-batch runs one too.  Crops against an image without: CROPS_STEPS.
 # Their text-only dummy calls a vision unit twice: recorded, never walked (unit_walk); their crop-only dummy is.
@@ -176,8 +178,11 @@ def test_patched_mixed_ranks_train_to_the_dp_average(family, case):
     # records, the later ones walk
     assert [r[case]["dummy_forwards"] for r in results] == _expected(case, "dummies", family), results
     assert [r[case]["walks"] for r in results] == _expected(case, "walks", family), results
-    if family == "glm_image":  # one tokenizer call per micro-batch: the dummy's, and the two source images' merged
-        assert [r[case]["vq_encodes"] for r in results] == [2, 2], results
+    if family == "glm_image":  # one tokenizer call per micro-batch: the dummy's (none when walked), and the two
+        # source images' merged
+        micro_batches = [sum(len(accum_jobs.rank_kinds(step, rank)) for step in _steps(case)) for rank in range(2)]
+        assert [r[case]["vq_encodes"] for r in results] == [
+            n - r[case]["walks"] for n, r in zip(micro_batches, results)], results
     if case.startswith("fp32"):  # (bf16 losses may round to the same value on both ranks)
         assert results[0][case]["losses"] != results[1][case]["losses"], "same data on both ranks"
     tower = ".%s." % TOWER.get(family, "visual")  # (Voxtral before 5.10.0: on the outer model, no ``model.``)
