@@ -19,6 +19,12 @@ built on the meta device (no weights, no memory):
   the input size, so the dummy costs exactly one image micro-batch's vision
   communication.
 
+FLOPs are not what a user waits for: on a GPU a tower call is latency-bound
+whatever its input, and since issue #40 only a model's first text-only
+micro-batch runs this dummy (later ones walk the units, ``fixes.unit_walk``).
+The time, at real geometry: ``benchmarks/text_only_cost.py`` (this CPU) and
+``benchmarks/gpu_check.py`` (one GPU).
+
     python benchmarks/mixed_ranks.py
 """
 
