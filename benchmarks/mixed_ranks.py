@@ -119,8 +119,8 @@ def main():
     print("%-12s %10s %14s %14s %9s %12s %12s" % ("model", "vision", "dummy GFLOP", "image GFLOP", "ratio",
                                                    "AG MiB", "RS MiB"))
     for family, label in FAMILIES.items():
-        if tiny.available(family) is not True:
-            print("%-12s %s" % (label, tiny.available(family)))
+        if tiny.unavailable(family) is not None:
+            print("%-12s %s" % (label, tiny.unavailable(family)))
             continue
         r = measure(family)
         print("%-12s %9.0fM %14.2f %14.1f %8.3f%% %12.0f %12.0f" % (

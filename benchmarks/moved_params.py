@@ -108,8 +108,8 @@ def main(argv=None):
     rows, skipped = [], {}
     for family in args.families or covered:
         # Said, never silently dropped: a family this transformers lacks, or one without real-size numbers.
-        available = tiny_models.available(family)
-        if available is not True or family in MISSING:
+        unavailable = tiny_models.unavailable(family)
+        if unavailable is not None or family in MISSING:
             skipped[family] = MISSING.get(family) or available
             continue
         row = measure(family)

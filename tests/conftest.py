@@ -86,7 +86,7 @@ def _no_leftover_patches():
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "depends_on(*dists): this test's DEPENDS_ON, overriding its module's")
-    config.addinivalue_line("markers", "wrappable(family): skip unless tiny.wrappable(family) (decided at setup)")
+    config.addinivalue_line("markers", "wrappable(family): skip unless tiny.unwrappable(family) is None (decided at setup)")
     _share_rank_server(config)
 
 
@@ -177,8 +177,8 @@ def pytest_runtest_setup(item):
         # and most sets deselect the test anyway (the matrix).
         from fsdp2_compat.tooling import tiny
 
-        reason = tiny.wrappable(wrappable.args[0])
-        if reason is not True:
+        reason = tiny.unwrappable(wrappable.args[0])
+        if reason is not None:
             pytest.skip(str(reason))
     if (getattr(item.config.option, "loadgroup", False) and item.get_closest_marker("xdist_group")
             and "@" not in item.nodeid):

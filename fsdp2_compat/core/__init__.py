@@ -8,6 +8,7 @@ pays for it when the variable is set):
 - ``records``  ``Target`` and ``Patch``, the declarative records
 - ``guards``   installed version, version ranges, source fingerprints (lazy imports)
 - ``aliases``  rebinding names that callers imported from a patched module
-- ``engine``   apply / revert, all or nothing, outcomes
+- ``engine``   apply / revert, outcomes
+- ``swaps``    one seam's replacements installed all or nothing, undone by identity
 - ``status``   what happened, as rows
 """

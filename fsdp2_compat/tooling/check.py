@@ -142,11 +142,11 @@ def engine_cases(families=None):
 
     from . import tiny
 
-    if families is not None and ENGINE_FAMILY not in families or tiny.wrappable(ENGINE_FAMILY) is not True:
+    if families is not None and ENGINE_FAMILY not in families or tiny.unwrappable(ENGINE_FAMILY) is not None:
         return []
     patch = registry.for_model_type(ENGINE_FAMILY).name
     return [(dist, guards.installed_version(dist), ENGINE_FAMILY, patch, kind)
-            for kind, (dist, harness, _) in ENGINES.items() if _harness(harness).runnable() is True]
+            for kind, (dist, harness, _) in ENGINES.items() if _harness(harness).unrunnable() is None]
 
 
 def quiet_engine(rank, world, kind, *args):
@@ -203,7 +203,7 @@ def selection_cases(families=None):
     from . import tiny
 
     return [(mt, name) for mt, name in registry.selection_model_types().items()
-            if (families is None or mt in families) and mt in tiny.FAMILIES and tiny.wrappable(mt) is True]
+            if (families is None or mt in families) and mt in tiny.FAMILIES and tiny.unwrappable(mt) is None]
 
 
 def fused_cases(families=None):
@@ -223,7 +223,7 @@ def fused_cases(families=None):
         for mt in p.model_types:
             if families is not None and mt not in families:
                 continue
-            if mt not in tiny.FAMILIES or tiny.wrappable(mt) is not True:
+            if mt not in tiny.FAMILIES or tiny.unwrappable(mt) is not None:
                 continue
             out.append((mt, p.name))
     return out
@@ -244,7 +244,7 @@ def trl_cases(families=None):
     for mt in TRL_FAMILIES:
         p = registry.for_model_type(mt)
         if (families is None or mt in families) and p is not None and any(t.dist == "trl" for t in p.targets):
-            if tiny.available(mt) is True:
+            if tiny.unavailable(mt) is None:
                 out.append((mt, p.name))
     return out
 
@@ -264,7 +264,7 @@ def accelerate_cases(families=None):
     for mt, _, kind in ACC_CASES:
         p = registry.for_model_type(mt)
         if (families is None or mt in families) and p is not None and any(t.dist == "accelerate" for t in p.targets):
-            if tiny.available(mt) is True:
+            if tiny.unavailable(mt) is None:
                 out.append((mt, p.name, kind))
     return out
 

@@ -42,27 +42,28 @@ def read_model_type(path):
 
 
 def classify(target, version):
-    """``(verdict, why)`` for ``target`` on installed ``version`` of its distribution.
+    """``Classified(kind, why)`` for ``target`` on installed ``version`` of its distribution.
 
-    verdict: ``"fixes"`` (the patch replaces this code), ``"not needed"``, ``"not covered"`` (the
+    kind: ``"fixes"`` (the patch replaces this code), ``"not needed"``, ``"not covered"`` (the
     release has the bug in code the patch does not fit) or ``"unknown release"`` (status decides
     from the code at import).
     """
     from packaging.version import Version
 
     from ..core import guards, policy
+    from ..core.outcomes import Classified
 
     for reason in (policy.fixed_reason(target, version), policy.declared_reason(target, version)):
         if reason is not None:
-            return "not needed", reason
+            return Classified("not needed", reason)
     reason = policy.unsupported_reason(target, version)
     if reason is not None:
-        return "not covered", reason
+        return Classified("not covered", reason)
     release = Version(version.split("+", 1)[0])
     if any(lo <= release <= hi for lo, hi in guards.release_spans(target)):
         proven = "proven on this release" if guards.in_range(version, target.versions) else "code known, proven on %s" % target.versions
-        return "fixes", proven
-    return "unknown release", "not in the catalogue's records: `fsdp2-compat status` checks its code at import"
+        return Classified("fixes", proven)
+    return Classified("unknown release", "not in the catalogue's records: `fsdp2-compat status` checks its code at import")
 
 
 def diagnose(model_type):

@@ -109,7 +109,7 @@ def cases(frameworks, families=None):
     from . import tiny
 
     p = registry.for_model_type(FAMILY)
-    if (families is not None and FAMILY not in families) or tiny.wrappable(FAMILY) is not True:
+    if (families is not None and FAMILY not in families) or tiny.unwrappable(FAMILY) is not None:
         return []
     if p is None or not any(t in registry.MIXED_MEDIA for t in p.targets):
         return []

@@ -218,7 +218,7 @@ def cases(versions, families=None):
         if framework is None or (families is not None and family not in families) or p is None:
             continue
         target = next(t for t in transformers_moe.TARGETS if t.module.endswith("modeling_" + family))
-        if classify(target, version)[0] == "fixes" and tiny.available(family) is True:
+        if classify(target, version).kind == "fixes" and tiny.unavailable(family) is None:
             out.append((framework, family, p.name))
     return out
 

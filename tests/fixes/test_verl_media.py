@@ -33,8 +33,8 @@ def _floats(value):
 
 
 def _setup(family):
-    if tiny.available(family) is not True:
-        pytest.skip(str(tiny.available(family)))
+    if tiny.unavailable(family) is not None:
+        pytest.skip(str(tiny.unavailable(family)))
     model = tiny.quiet(tiny.build, family)
     batch = tiny.make_batch(family, model, seed=5, media=("image", "video"))
     visual = model.model.visual

@@ -258,7 +258,7 @@ REAL_FAMILIES = ["qwen3_vl", "qwen2", "glm4v"]  # through verl's own apply_monke
 def _families():
     from fsdp2_compat.tooling import tiny
 
-    return [f for f in tiny.FAMILIES if tiny.available(f) is True]
+    return [f for f in tiny.FAMILIES if tiny.unavailable(f) is None]
 
 
 def _fused_modules(version):

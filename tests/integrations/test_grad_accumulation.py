@@ -265,8 +265,8 @@ def _fused_param(family, patch, steps, needs):
 
         if family == "qwen3_5" and not tiny.exports("Qwen3_5ForConditionalGeneration"):
             reason = "transformers %s has no Qwen3_5ForConditionalGeneration" % guards.installed_version("transformers")
-        elif family != "qwen3_5" and tiny.available(family) is not True:
-            reason = str(tiny.available(family))
+        elif family != "qwen3_5" and tiny.unavailable(family) is not None:
+            reason = str(tiny.unavailable(family))
     marks = [pytest.mark.xdist_group("accum-fused-%s" % family)]
     if reason:
         marks.append(pytest.mark.skip(reason=reason))

@@ -33,7 +33,7 @@ from fsdp2_compat.tooling.scenarios import train, with_lora  # noqa: E402
 DEPENDS_ON = ("torch", "transformers", "llamafactory", "peft")
 
 TOL = 1e-5
-FAMILIES = [f for f in tiny_models.FAMILIES if tiny_models.available(f) is True]
+FAMILIES = [f for f in tiny_models.FAMILIES if tiny_models.unavailable(f) is None]
 
 
 def released_lookup(model):

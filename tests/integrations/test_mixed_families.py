@@ -114,8 +114,8 @@ def _runnable():
 
             if not hasattr(transformers, TEST_ONLY_CLASS[family]):
                 reason = "transformers %s has no %s" % (transformers.__version__, TEST_ONLY_CLASS[family])
-        elif reason is None and tiny.wrappable(family) is not True:
-            reason = str(tiny.wrappable(family))
+        elif reason is None and tiny.unwrappable(family) is not None:
+            reason = str(tiny.unwrappable(family))
         if reason is None and FRAMEWORK == "accelerate" and family in ACCELERATE_CANNOT_WRAP:
             reason = ACCELERATE_CANNOT_WRAP[family]
         if reason is None and FRAMEWORK == "skyrl" and family in SKYRL_CANNOT_WRAP:
@@ -202,8 +202,8 @@ def test_a_tower_the_fix_cannot_serve_is_left_alone_and_the_fix_says_why(family)
     from fsdp2_compat.fixes import mixed_media
     from fsdp2_compat.tooling import tiny
 
-    if tiny.available(family) is not True:
-        pytest.skip(str(tiny.available(family)))
+    if tiny.unavailable(family) is not None:
+        pytest.skip(str(tiny.unavailable(family)))
     model = tiny.quiet(tiny.build, family)
     base = model.model
     assert mixed_media.unknown_tower(base) is None

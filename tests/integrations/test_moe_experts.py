@@ -52,8 +52,8 @@ def _installed(framework):
 def _family(family):
     from fsdp2_compat.tooling import tiny
 
-    why = tiny.available(family)
-    if why is not True:
+    why = tiny.unavailable(family)
+    if why is not None:
         pytest.skip(why)
 
 

@@ -75,7 +75,7 @@ def tie_variants(family):
     (``tiny.tieable``: e.g. Qwen2-Audio from transformers 5.10, GLM-Image)."""
     from fsdp2_compat.tooling import tiny as tiny_models
 
-    return TIE_VARIANTS if tiny_models.tieable(family) is True else ("untied",)
+    return TIE_VARIANTS if tiny_models.untieable(family) is None else ("untied",)
 
 
 # verl model module -> module-level function its fused forwards call for the

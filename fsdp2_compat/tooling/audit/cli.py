@@ -113,7 +113,7 @@ def _divergence(args, model, plan, layer_classes):
     if family is not None and args.config_json and not args.model:
         from fsdp2_compat.tooling import tiny
 
-        family = family if tiny.available(family) is True else None
+        family = family if tiny.unavailable(family) is None else None
     kinds = divergence.parse_kinds(args.batches, family)
     return divergence.for_model(lambda: build_inputs(args)[0], family, kinds, plan, layer_classes)
 

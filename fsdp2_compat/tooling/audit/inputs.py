@@ -192,9 +192,9 @@ def build_inputs(args):
     if args.model:
         if args.model not in tiny_models.FAMILIES:
             raise AuditInputError("unknown --model %r; valid families: %s" % (args.model, ", ".join(tiny_models.FAMILIES)))
-        ok = tiny_models.available(args.model)
-        if ok is not True:
-            raise AuditInputError("--model %s: %s" % (args.model, ok))
+        why = tiny_models.unavailable(args.model)
+        if why is not None:
+            raise AuditInputError("--model %s: %s" % (args.model, why))
         if sets:
             config = tiny_models.quiet(tiny_models.tiny_config, args.model, args.tie)
             _apply_sets(config, sets)
@@ -208,7 +208,7 @@ def build_inputs(args):
             raise AuditInputError("--config %r is not a configuration class of transformers %s (e.g. Glm4vConfig, "
                                   "Qwen2Config)" % (args.config, transformers.__version__))
         family = _family_of_config_class(args.config)
-        if family is not None and tiny_models.available(family) is True:
+        if family is not None and tiny_models.unavailable(family) is None:
             config = tiny_models.quiet(tiny_models.tiny_config, family, args.tie)
             _apply_sets(config, sets)
             model = _instantiate(getattr(transformers, tiny_models.CLASSES[family][0]), config)
@@ -268,7 +268,7 @@ def _from_json(path, sets, tie, notes):
         raise AuditInputError("--config-json %s: model_type %r is unknown to transformers %s"
                               % (path, model_type, transformers.__version__))
     d = _shrink(dict(raw))
-    if family is not None and tiny_models.available(family) is True:
+    if family is not None and tiny_models.unavailable(family) is None:
         # Geometry, token ids and rotary settings of the tiny family (the batch depends on them);
         # everything else (flags, tying, optional heads) as in the file.
         tiny = tiny_models.quiet(tiny_models.tiny_config, family, False)

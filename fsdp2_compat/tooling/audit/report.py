@@ -131,9 +131,9 @@ def sweep(families=None, plans=SWEEP_PLANS, batches=True):
         families = [f for f in tiny_models.FAMILIES if f not in ("qwen2", "llama")]
     rows = []
     for family in families:
-        ok = tiny_models.available(family)
-        if ok is not True:
-            rows.append({"family": family, "plan": "-", "skipped": str(ok)})
+        why = tiny_models.unavailable(family)
+        if why is not None:
+            rows.append({"family": family, "plan": "-", "skipped": why})
             continue
         model = tiny_models.build(family)
         batch = tiny_models.make_batch(family, model, seed=0)

@@ -182,8 +182,8 @@ def register_verl_engine_for_cpu():
 # SkyRL
 
 
-def skyrl_helpers_known(utils_module):
-    """True when the installed SkyRL helpers are the code the CPU copies stand in for, else the reason."""
+def skyrl_helpers_unknown(utils_module):
+    """None when the installed SkyRL helpers are the code the CPU copies stand in for, else why not."""
     from fsdp2_compat.core import guards
 
     for name, known in SKYRL_HELPERS.items():
@@ -195,7 +195,7 @@ def skyrl_helpers_known(utils_module):
         if found != known:
             return "%s.%s is not the code the CPU stand-ins were written from (%s, expected %s)" % (
                 utils_module.__name__, name, found, known)
-    return True
+    return None
 
 
 def cpu_create_device_mesh(world_size, fsdp_size):
@@ -237,9 +237,9 @@ def cpu_fsdp2_clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonf
 @contextlib.contextmanager
 def skyrl_cpu_helpers(strategy_module, utils_module):
     """Bind the CPU copies where SkyRL looks its helpers up, for the duration; ``RuntimeError`` on unknown code."""
-    known = skyrl_helpers_known(utils_module)
-    if known is not True:
-        raise RuntimeError(known)
+    unknown = skyrl_helpers_unknown(utils_module)
+    if unknown is not None:
+        raise RuntimeError(unknown)
     swaps = [
         (strategy_module, "create_device_mesh", cpu_create_device_mesh),
         (strategy_module, "fsdp2_clip_grad_norm_", cpu_fsdp2_clip_grad_norm_),

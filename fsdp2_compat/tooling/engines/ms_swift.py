@@ -379,7 +379,7 @@ def cases(families=None):
     for kind, (family, _, _) in KINDS.items():
         patch = registry.for_model_type(family)
         if (families is None or family in families) and patch is not None and _carries_fix(kind, patch) \
-                and unavailable(kind) is None and tiny.available(family) is True:
+                and unavailable(kind) is None and tiny.unavailable(family) is None:
             out.append((kind, family, patch.name))
     return out
 

@@ -50,8 +50,8 @@ def modules():
     return strategy, sys.modules[integration.wrap_module], importlib.import_module(wrapper_name)
 
 
-def runnable():
-    """True when the installed skyrl's strategy can run on CPU here (see ``cpu.SKYRL_HELPERS``), else why not.
+def unrunnable():
+    """None when the installed skyrl's strategy can run on CPU here (see ``cpu.SKYRL_HELPERS``), else why not.
 
     Reads the released ``fsdp_utils`` source; imports nothing of SkyRL.
     """
@@ -82,7 +82,7 @@ def runnable():
         if found != known:
             return "skyrl %s: %s.%s is not the code the CPU stand-ins were written from (%s, expected %s)" % (
                 version, integration.wrap_module, name, found, known)
-    return True
+    return None
 
 
 def make_batch(family, model, seed):

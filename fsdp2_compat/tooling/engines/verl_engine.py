@@ -44,8 +44,8 @@ MODULES = ("verl.utils.fsdp_utils", "verl.models.transformers.")
 POLICY_AUTOCAST = ">=0.8.0"
 
 
-def runnable():
-    """True when verl's FSDP engine can run on CPU here, else why not (imports nothing of verl)."""
+def unrunnable():
+    """None when verl's FSDP engine can run on CPU here, else why not (imports nothing of verl)."""
     import importlib.util
     import os
 
@@ -64,7 +64,7 @@ def runnable():
     missing = [m for m in ("datasets", "codetiming", "PIL", "tensordict") if importlib.util.find_spec(m) is None]
     if missing:
         return "verl %s's training engine needs %s, not installed here" % (version, ", ".join(missing))
-    return True
+    return None
 
 
 def forced_autocast():

@@ -12,9 +12,9 @@ configs live in ``configs``, the batches in ``batches``.
 API::
 
     FAMILIES                        # tuple of family names
-    available(family)               # True, or a reason string
-    wrappable(family)               # also: verl / SkyRL accept its layer classes
-    tieable(family)                 # also: tie_word_embeddings=True really ties its embeddings
+    unavailable(family)             # None, or why not (the harness's one convention: None = ok, else the reason)
+    unwrappable(family)             # also: verl / SkyRL accept its layer classes
+    untieable(family)               # also: tie_word_embeddings=True really ties its embeddings
     raw_read_removed(family)        # None, or why this transformers no longer reads it raw
     build(family, tie=False, seed=0)  # fp32 CPU model in train mode
     make_batch(family, model, seed=..., batch_size=2, media=("image",))  # kwargs for model(**batch)
@@ -35,7 +35,7 @@ glm4v*/glm46v ``aten.grid_sampler_2d``; paddleocr_vl, qwen2_audio, voxtral,
 audioflamingo3 ``aten.add.Tensor``; lfm2_vl ``aten.copy_`` (on 5.x only when
 wrapped children-first: 5.x lists ``Siglip2VisionEmbeddings`` itself as a
 no-split class).  ``glm46v``, ``paddleocr_vl`` and ``audioflamingo3`` need
-transformers 5.x; ``available()`` says so on 4.x.  From transformers 5.15.0
+transformers 5.x; ``unavailable()`` says so on 4.x.  From transformers 5.15.0
 PaddleOCR-VL calls its ``position_embedding`` as a module (no raw read).
 
 Families new in transformers 5.1x (hunyuan_vl, step3p7, glm_image,
@@ -45,7 +45,7 @@ reads an embedding's weight raw.
 Tying: from transformers 5.10 the ``*ForConditionalGeneration`` classes of
 qwen2_audio, voxtral and audioflamingo3 hold their own ``lm_head`` and declare
 no tied-weight keys, so ``tie_word_embeddings=True`` ties nothing there (real
-checkpoints of these classes cannot be tied either); ``tieable()`` says where.
+checkpoints of these classes cannot be tied either); ``untieable()`` says where.
 """
 
 from __future__ import annotations
@@ -79,8 +79,8 @@ def exports(name: str) -> bool:
     return (isinstance(table, dict) and name in table) or hasattr(transformers, name)
 
 
-def available(family: str) -> bool | str:
-    """True when the installed transformers provides ``family``, else a reason."""
+def unavailable(family: str) -> "str | None":
+    """None when the installed transformers provides ``family``, else why not."""
     if family not in CLASSES:
         return f"unknown family {family!r}; known: {', '.join(FAMILIES)}"
     import transformers
@@ -96,22 +96,22 @@ def available(family: str) -> bool | str:
         if Version(transformers.__version__) < Version(first):
             return f"the tiny {family} config and batch are written for transformers >= {first} " \
                    f"(found {transformers.__version__})"
-    return True
+    return None
 
 
 _WRAPPABLE: dict = {}
 
 
-def wrappable(family: str) -> bool | str:
-    """True when verl's and SkyRL's ``apply_fsdp2`` can take ``family`` here, else a reason.
+def unwrappable(family: str) -> "str | None":
+    """None when verl's and SkyRL's ``apply_fsdp2`` can take ``family`` here, else why not.
 
     Both assert on an empty layer-class list before sharding anything, and some
     transformers releases ship an empty ``_no_split_modules`` (LFM2-VL and
     Voxtral on 4.57, GLM-4.6V on 5.0.0rc3).  Cached: it builds the model once.
     """
     if family not in _WRAPPABLE:
-        reason = available(family)
-        if reason is True and not build(family)._no_split_modules:
+        reason = unavailable(family)
+        if reason is None and not build(family)._no_split_modules:
             reason = "%s has an empty _no_split_modules in this transformers: upstream refuses it" % family
         _WRAPPABLE[family] = reason
     return _WRAPPABLE[family]
@@ -141,12 +141,12 @@ def raw_read_removed(family: str):
 _TIEABLE: dict = {}
 
 
-def tieable(family: str) -> bool | str:
-    """True when ``tie_word_embeddings=True`` makes ``family``'s input and output embeddings
-    one weight in the installed transformers, else a reason.  Cached: it builds the model once."""
+def untieable(family: str) -> "str | None":
+    """None when ``tie_word_embeddings=True`` makes ``family``'s input and output embeddings
+    one weight in the installed transformers, else why not.  Cached: it builds the model once."""
     if family not in _TIEABLE:
-        reason = available(family)
-        if reason is True:
+        reason = unavailable(family)
+        if reason is None:
             model = _construct(family, True, 0)
             if model.get_input_embeddings().weight is not model.get_output_embeddings().weight:
                 import transformers
@@ -162,9 +162,9 @@ def tieable(family: str) -> bool | str:
 
 
 def _require(family: str) -> None:
-    ok = available(family)
-    if ok is not True:
-        raise RuntimeError(ok)
+    why = unavailable(family)
+    if why is not None:
+        raise RuntimeError(why)
 
 
 def quiet(fn, *args):
@@ -195,8 +195,8 @@ def build(family: str, *, tie: bool | str = False, seed: int = 0, vision: dict |
     """
     _require(family)
     tied = bool(tie)
-    if tied and tieable(family) is not True:
-        raise RuntimeError(tieable(family))
+    if tied and untieable(family) is not None:
+        raise RuntimeError(untieable(family))
     model = _construct(family, tied, seed, vision, experts)
     inp = model.get_input_embeddings().weight
     out = model.get_output_embeddings().weight

@@ -3,7 +3,7 @@
 Same geometry as ``configs`` (hidden 32, 2 heads, 1-2 layers, depth-1 towers,
 4x4 patches of 4x4 pixels, vocab 256, placeholder ids near the top of the
 vocab).  ``configs.tiny_config`` and ``batches.make_batch`` hand these
-families over to ``tiny_config`` / ``make_batch`` here; ``available()`` says
+families over to ``tiny_config`` / ``make_batch`` here; ``unavailable()`` says
 "transformers X has no ..." where the installed release lacks the classes
 (hunyuan_vl, step3p7 and cosmos3_edge are not in 5.10.x).
 
