@@ -30,9 +30,9 @@ transformers you train a MoE model with is 5.0+.
 """
 
 from ..core.records import Target
+from ..fixes import MOE_EXPERTS as FIX
 from .transformers_media import INTEGRATION  # noqa: F401  (transformers' one Integration record)
 
-_SEAM = "fsdp2_compat.fixes.experts:block_seam"
 _WHAT = "MoE expert no token on this rank reached (%s)"
 THREE_D = ("routed experts are 3-D parameters (<Family>Experts, indexed per expert): every rank has a gradient "
            "for every expert")
@@ -81,8 +81,6 @@ NOT_AFFECTED = {
 # proven range (stdlib only here: the records are built when the registry is imported, at apply()).
 PROVEN_RELEASE = "4.57.6"
 
-SYMPTOM = ("a MoE expert one rank's tokens reach and another's do not (transformers 4.x, any framework): gloo "
-           "`Received data size doesn't match expected size`, NCCL hangs or reduces the wrong gradients")
 
 
 def _target(family):
@@ -99,10 +97,10 @@ def _target(family):
         attr="%s.%s" % (cls, method),
         versions=">=%s,<=%s" % (low, high or low),
         fingerprints=prints,
-        seam=_SEAM,
+        fix=FIX,
+        families=(family,),
         what=_WHAT % family,
         declared=declared,
-        symptom=SYMPTOM,
     )
 
 

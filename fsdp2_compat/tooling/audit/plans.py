@@ -209,7 +209,7 @@ def plan_modules(model, plan, layer_classes=None):
 
         modules = select_wrap_targets(model, layer_classes)
     elif plan == "fixed-verl":
-        from fsdp2_compat.integrations.verl import select_verl
+        from fsdp2_compat.fixes.selection import select_verl
 
         modules = select_verl(model, layer_classes)
     else:
