@@ -36,7 +36,7 @@ def _meta_model(family):
     import torch
     import transformers
 
-    from fsdp2_compat.tooling.tiny.configs import CLASSES
+    from fsdp2_compat_harness.tiny.configs import CLASSES
     from support.real_size import real_size_config
 
     config = real_size_config(family)
@@ -113,7 +113,7 @@ def measure(family):
 
 
 def main():
-    from fsdp2_compat.tooling import tiny
+    from fsdp2_compat_harness import tiny
 
     print("per text-only micro-batch, per rank, %d ranks; forward FLOPs of the vision path" % WORLD)
     print("%-12s %10s %14s %14s %9s %12s %12s" % ("model", "vision", "dummy GFLOP", "image GFLOP", "ratio",

@@ -55,7 +55,7 @@ ACCELERATE = (F.ACCELERATE_TIED_TAIL, F.ACCELERATE_VLM_NORM)
 # family's media tower kept in every rank's collectives.
 MULTIMODAL = (F.GRAD_ACCUMULATION, F.MIXED_MEDIA)
 
-# Target groups the tooling and the tests read (each a join, as the patches' own).
+# Target groups the harness and the tests read (each a join, as the patches' own).
 WRAP_SELECTION = targets_of(*SELECTION)
 LF_LAYER_LOOKUP = targets_of(F.LAYER_CLASS_LOOKUP)
 GRAD_ACCUMULATION = targets_of(F.GRAD_ACCUMULATION)
@@ -219,7 +219,7 @@ def patch(name):
 
 
 def register(p):
-    """Add ``p`` to the catalogue for this process (tooling and tests: a transient patch, e.g.
+    """Add ``p`` to the catalogue for this process (the harness and tests: a transient patch, e.g.
     an exact subset of targets); returns it.  ``ValueError`` if the name is taken."""
     global PATCHES
     if p.name in _BY_NAME:

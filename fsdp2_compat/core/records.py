@@ -148,7 +148,7 @@ class Patch:
                  families it is for, in the order users read them; the one
                  map from a model to its patch (check, audit, tests, README)
     targets      tuple of ``Target``: for the catalogue's patches, the registry's join of ``fixes``
-                 with the integrations' targets; given directly only for a transient patch (tooling, tests)
+                 with the integrations' targets; given directly only for a transient patch (harness, tests)
     references   upstream issues / PRs (the catalogue's: those of its fixes)
     delete_when  the conditions under which it can be removed, one per fix (a string is one condition)
     note         optional: what ``model_types`` does not say (e.g. "and any
@@ -178,7 +178,7 @@ class Patch:
 
 
 class Integration:
-    """One upstream distribution (a framework, or torch), as the tooling and the tests need to find it.
+    """One upstream distribution (a framework, or torch), as the harness and the tests need to find it.
 
     dist         distribution name as pip knows it (``skyrl-train``)
     package      its top-level import package (``skyrl_train``), for reading wheels

@@ -6,13 +6,13 @@ name) and its ``TARGETS``, each one fix (``fsdp2_compat.fixes``) in one
 release range with the fingerprints of the released code.  The mechanisms'
 code is in ``fsdp2_compat.fixes``; ``fsdp2_compat.registry`` joins the
 targets with the fixes each patch lists.  ``INTEGRATIONS`` below is the one
-framework -> module map the tooling and the tests read.
+framework -> module map the harness and the tests read.
 
 Adding a framework is one module here, listed below.
 torch itself is an integration too (``torch_fsdp``: fixes inside FSDP2), but
 not a framework: it has no ``wrap_module`` (``wrapping()`` lists those that have one);
 neither has accelerate (its ``fsdp2_prepare_model`` takes the accelerator, not an
-``apply_fsdp2``-style call the wrap-selection tooling makes), nor axolotl and ms-swift (which prepare through it;
+``apply_fsdp2``-style call the wrap-selection harness makes), nor axolotl and ms-swift (which prepare through it;
 ms-swift has no target: ``ms_swift.PATHS`` says what covers each of its paths), nor transformers
 (``transformers_media``, ``transformers_moe``: the model code a patch wraps).
 """

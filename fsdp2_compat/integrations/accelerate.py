@@ -47,7 +47,7 @@ INTEGRATION = Integration(
     dist="accelerate",
     package="accelerate",
     # accelerate prepares models through fsdp2_prepare_model(accelerator, model), not an
-    # apply_fsdp2(model, ...) the wrap-selection tooling could call: no wrap_module.
+    # apply_fsdp2(model, ...) the wrap-selection harness could call: no wrap_module.
     wrap_module=None,
     callers=("accelerate.utils", "accelerate.accelerator"),  # import fsdp2_prepare_model by name
 )

@@ -61,7 +61,7 @@ librosa (``train_utils``, ``data_utils``); ``fsdp2_utils`` itself needs only
 torch.  Users have the full install, so the hook fires on the real import.
 The pinned test set installs lmms-engine ``--no-deps`` and imports the
 released ``fsdp2_utils.py`` with that package ``__init__`` skipped
-(``tooling.frameworks.import_fsdp_utils``): the file under test runs unchanged.
+(the harness's ``frameworks.import_fsdp_utils``): the file under test runs unchanged.
 
 Releases: 0.1.2 and 0.1.4 (the only ones on PyPI) have the same ``apply_fsdp2``
 code (one fingerprint; 0.1.4 proven).  No upstream issue or fix for

@@ -17,7 +17,7 @@ census' reader; ``tests/integrations/test_census.py`` keeps it so):
   slice when no token reached it (a zero gradient on every rank); releases
   before the family's module existed;
 - not a target at all: Qwen3-VL-MoE (3-D experts in every release, 4.57.0 on)
-  and Qwen3.5-MoE (5.2.0 on, 3-D).  ``NOT_AFFECTED`` says so for the tooling.
+  and Qwen3.5-MoE (5.2.0 on, 3-D).  ``NOT_AFFECTED`` says so for doctor and check.
 
 Proven on real FSDP2 (2 CPU gloo ranks, tokens that reach different experts
 on each rank) with 4.57.6 through verl, SkyRL, skyrl-train and accelerate's

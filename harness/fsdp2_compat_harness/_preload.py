@@ -9,18 +9,18 @@ for _name in (
     "torch",
     "torch.distributed.fsdp",
     "transformers",
-    "fsdp2_compat.tooling.tiny",
-    "fsdp2_compat.tooling.scenarios",
+    "fsdp2_compat_harness.tiny",
+    "fsdp2_compat_harness.scenarios",
     "verl.utils.fsdp_utils",
     "skyrl_train.distributed.fsdp_utils",
     "areal.engine.fsdp_utils.parallel",  # import areal: ~3.5 s (areal.infra) per rank otherwise
     "llamafactory.v1.plugins.trainer_plugins.distributed.fsdp2",
-    "fsdp2_compat.tooling.trl_scenarios",
+    "fsdp2_compat_harness.trl_scenarios",
     "trl.trainer.sft_trainer",
     "trl.trainer.grpo_trainer",
     "trl.trainer.distillation_trainer",
     # The platform-neutral part of verl's training engine (datasets alone is ~1.5 s a process);
-    # verl.workers.engine itself resolves verl's platform when imported, so tooling.engines
+    # verl.workers.engine itself resolves verl's platform when imported, so fsdp2_compat_harness.engines
     # imports it in the rank, after selecting the CPU platform.
     "datasets",
     "verl.utils.dataset.dataset_utils",
@@ -34,7 +34,7 @@ for _name in (
 
 # skyrl 0.2.0+ (set skyrl040: ~2.6 s a rank otherwise).  Only on Python 3.12+, where it is a plain
 # import: below, a failed attempt would leave half-imported skyrl modules behind for every rank, which
-# registers the package itself (tooling.frameworks.ensure_skyrl_backends_package).
+# registers the package itself (fsdp2_compat_harness.frameworks.ensure_skyrl_backends_package).
 if sys.version_info >= (3, 12):
     try:
         importlib.import_module("skyrl.backends.skyrl_train.distributed.fsdp_utils")
@@ -60,7 +60,7 @@ if importlib.util.find_spec("verl") is not None:
 # module on first use), verl's fused forwards (its monkey patch imports them per model), packaging's version
 # ranges (guards).  A patch still applies to them: the engine patches a module that is already imported.
 for _name in ("packaging.version", "packaging.specifiers", "wrapt", "fsdp2_compat.core.policy", "fsdp2_compat.core.aliases",
-              "fsdp2_compat.tooling.subset", "fsdp2_compat.tooling.engines.common", "verl.models.transformers.monkey_patch",
+              "fsdp2_compat_harness.subset", "fsdp2_compat_harness.engines.common", "verl.models.transformers.monkey_patch",
               "verl.models.transformers.dense_common", "verl.models.transformers.qwen2_vl",
               "verl.models.transformers.qwen3_vl", "verl.models.transformers.glm4v", "verl.models.transformers.llama",
               "verl.models.transformers.qwen2", "verl.models.transformers.qwen3_5"):
@@ -69,9 +69,9 @@ for _name in ("packaging.version", "packaging.specifiers", "wrapt", "fsdp2_compa
     except Exception:
         pass
 # verl < 0.9 names its device itself (cpu on this host): its training engine can be imported here.  verl >= 0.9
-# resolves a platform at that import, which tooling.engines selects in the rank first (engines/cpu.py).
+# resolves a platform at that import, which fsdp2_compat_harness.engines selects in the rank first (engines/cpu.py).
 try:
-    from fsdp2_compat.tooling.engines.cpu import has_platform_registry as _has_platform_registry
+    from fsdp2_compat_harness.engines.cpu import has_platform_registry as _has_platform_registry
 
     if importlib.util.find_spec("verl") is not None and not _has_platform_registry():
         importlib.import_module("verl.workers.engine.fsdp.transformer_impl")
@@ -80,7 +80,7 @@ except Exception:
 try:
     import transformers as _transformers
 
-    from fsdp2_compat.tooling.tiny.configs import CLASSES as _CLASSES
+    from fsdp2_compat_harness.tiny.configs import CLASSES as _CLASSES
 
     for _classes in _CLASSES.values():
         for _cls in _classes:

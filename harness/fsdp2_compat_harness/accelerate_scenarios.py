@@ -90,7 +90,7 @@ def _loss(module, batch, read):
 
 def build_pair(family, tie, read):
     """``(model, reference)``: a tiny model and its unsharded copy, each with the ``read`` forward."""
-    from fsdp2_compat.tooling import tiny as tiny_models
+    from fsdp2_compat_harness import tiny as tiny_models
 
     model = tiny_models.build(family, tie=tie, seed=0)
     reference = copy.deepcopy(model)
@@ -153,7 +153,7 @@ def reader_steps(rank, world, family, tie, read, patches, steps=1, lr=0.05):
             return _loss(module, batch, read), None
 
         def batches_for(step):
-            from fsdp2_compat.tooling import tiny as tiny_models
+            from fsdp2_compat_harness import tiny as tiny_models
 
             return [tiny_models.make_batch(family, reference, seed=1 + step * world + r) for r in range(world)]
 

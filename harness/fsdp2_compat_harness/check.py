@@ -35,21 +35,21 @@ Mixed text/image micro-batches across ranks ("mixed ranks, 2 ranks", Qwen2.5-VL
 through each framework's own wrapping): rank 0 trains on an image, rank 1 on
 text only; unpatched gloo aborts on the mismatched collectives (the row shows
 its message), patched every gradient matches the data-parallel average
-(``tooling.mixed``).
+(``fsdp2_compat_harness.mixed``).
 
 MoE experts that the ranks' tokens reach differently ("MoE experts, 2 ranks",
 GLM-4.5V and Qwen3-MoE through the first installed framework's wrapping), on
 the transformers releases that skip unreached experts (4.x): unpatched gloo
 aborts on the reduce-scatters of different sizes (or the experts' gradients
 mix silently), patched every gradient matches the data-parallel average
-(``tooling.moe_scenarios``); on 5.x (3-D experts) the audit rows below show
+(``fsdp2_compat_harness.moe_scenarios``); on 5.x (3-D experts) the audit rows below show
 that nothing diverges.
 The audit's rank divergence ("audit divergence": every batch kind a family
 takes, on one CPU process) adds a row per family of ``divergence_check``.
 
 Last, the whole path users run: GLM-4.1V through each installed training
 engine that runs on CPU here (verl's FSDP engine, SkyRL's FSDPStrategy; see
-``tooling.engines``), on two gloo ranks with different data, unpatched and
+``fsdp2_compat_harness.engines``), on two gloo ranks with different data, unpatched and
 patched; "fixed" means every loss, gradient and parameter matches the
 data-parallel reference (within 1e-5, or bf16 tolerance where the engine
 computes in bf16 whatever the policy: verl 0.7.0).
@@ -121,7 +121,7 @@ def quiet_reader_steps(rank, world, *args, **kwargs):
     return result
 
 
-# kind -> (framework, harness module in tooling.engines, its rank function)
+# kind -> (framework, harness module in fsdp2_compat_harness.engines, its rank function)
 ENGINES = {
     "verl engine": ("verl", "verl_engine", "train_verl_engine"),
     "skyrl strategy": ("skyrl", "skyrl_strategy", "train_skyrl_strategy"),
@@ -132,7 +132,7 @@ ENGINE_FAMILY = "glm4v"
 def _harness(name):
     import importlib
 
-    return importlib.import_module("fsdp2_compat.tooling.engines." + name)
+    return importlib.import_module("fsdp2_compat_harness.engines." + name)
 
 
 def engine_cases(families=None):
@@ -150,7 +150,7 @@ def engine_cases(families=None):
 
 
 def quiet_engine(rank, world, kind, *args):
-    """The ``tooling.engines`` rank function of ``kind``, its prints captured into ``result["output"]``."""
+    """The ``fsdp2_compat_harness.engines`` rank function of ``kind``, its prints captured into ``result["output"]``."""
     _, harness, fn = ENGINES[kind]
     result, output = _captured(getattr(_harness(harness), fn), rank, world, *args)
     result["output"] = output

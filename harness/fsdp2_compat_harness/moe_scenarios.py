@@ -234,7 +234,7 @@ def _quiet_train(rank, world, stderr_dir, *args, **kwargs):
 def run_case(framework, family, patch, unpatched=False):
     """One check case on 2 ranks: ``patch``, or (``unpatched``) that patch without its MoE targets, so the
     row shows this bug and not another the patch fixes (GLM-4.5V's wrap selection).  gloo's abort is read
-    from the ranks' stderr (``tooling.mixed``); a run where the ranks reached the same experts says so."""
+    from the ranks' stderr (``fsdp2_compat_harness.mixed``); a run where the ranks reached the same experts says so."""
     import tempfile
 
     from fsdp2_compat.integrations import transformers_moe

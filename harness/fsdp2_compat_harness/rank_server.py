@@ -16,7 +16,7 @@ The contract:
 - a rank inherits the server's environment and file descriptors, not its
   client's: ``share()`` points the server's stdout and stderr at
   ``os.devnull`` (a test that reads what a rank prints redirects it itself,
-  ``tooling.mixed.stderr_to_file``), and a process whose ranks must import
+  ``fsdp2_compat_harness.mixed.stderr_to_file``), and a process whose ranks must import
   other code than the sharer's (a patched source tree first on
   ``PYTHONPATH``) drops ``ENV`` from its children's environment;
 - it rests on two private attributes of ``multiprocessing.forkserver`` (the
@@ -32,7 +32,7 @@ import sys
 # Imported once in the server (which skips only ImportError, so the list lives
 # in a module that swallows any failure).  Patches still apply in the ranks:
 # the engine patches modules that are already imported.
-PRELOAD = ["fsdp2_compat.tooling._preload"]
+PRELOAD = ["fsdp2_compat_harness._preload"]
 
 # The address of a shared server (a Unix socket path); F2C_, not FSDP2_COMPAT_: it is not a user setting.
 ENV = "F2C_RANK_SERVER"

@@ -238,7 +238,7 @@ def train(rank, world, framework, family, patches, steps=2, tie=False, lr=0.05, 
     import copy
 
     import fsdp2_compat
-    from fsdp2_compat.tooling import frameworks, tiny as tiny_models
+    from fsdp2_compat_harness import frameworks, tiny as tiny_models
 
     if patches:
         fsdp2_compat.apply(patches)
@@ -318,7 +318,7 @@ def train_fused(rank, world, family, patches, steps=2, mesh_shape=None, bf16=Fal
     target keys: verl's GLM4V forward runs on most transformers only with the
     ``glm4v`` patch's forward targets, so GLM4V's "unpatched" side names them).
     ``convention``: how the sharded model's ``forward`` reaches the one verl
-    installed on its class (``tooling.conventions``).
+    installed on its class (``fsdp2_compat_harness.conventions``).
     """
     import copy
 
@@ -326,8 +326,8 @@ def train_fused(rank, world, family, patches, steps=2, mesh_shape=None, bf16=Fal
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from fsdp2_compat.tooling import subset, tiny as tiny_models
-    from fsdp2_compat.tooling.conventions import adopt
+    from fsdp2_compat_harness import subset, tiny as tiny_models
+    from fsdp2_compat_harness.conventions import adopt
 
     subset.apply(patches)
     from verl.models.transformers.monkey_patch import apply_monkey_patch
@@ -357,7 +357,7 @@ def train_fused(rank, world, family, patches, steps=2, mesh_shape=None, bf16=Fal
         return original_forward(self, hidden_states, vocab_weights, *args, **kwargs)
 
     torch_functional.FusedLinearForPPO.forward = spy
-    from fsdp2_compat.tooling.verl_batches import add_verl_position_ids
+    from fsdp2_compat_harness.verl_batches import add_verl_position_ids
 
     result = {
         "wrapped": wrapped_module_names(model),

@@ -227,8 +227,8 @@ def train_trl(rank, world, family, path, patches, bf16=False, steps=2, lr=0.05, 
     ``kernel_weights`` (what reached TRL's kernel from the sharded model, see ``kernel_spy``).
 
     ``convention`` (``distill`` only): how ``compute_loss`` reaches ``_compute_loss``
-    (``tooling.conventions``: a subclass override calling the base that way)."""
-    from fsdp2_compat.tooling import subset
+    (``fsdp2_compat_harness.conventions``: a subclass override calling the base that way)."""
+    from fsdp2_compat_harness import subset
 
     rank_env(rank, world)
     if patches:
@@ -244,7 +244,7 @@ def _train(rank, world, family, path, bf16, steps, lr, recording, convention):
     import torch
     from trl.trainer import grpo_trainer, sft_trainer
 
-    from fsdp2_compat.tooling import tiny as tiny_models
+    from fsdp2_compat_harness import tiny as tiny_models
 
     from .scenarios import train_against_reference, wrapped_module_names
 

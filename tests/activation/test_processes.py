@@ -496,7 +496,7 @@ elif mode == "unset":
 @ray.remote(num_cpus=0)
 class Probe:
     def run(self, frameworks):
-        from fsdp2_compat.tooling.scenarios import import_fsdp_utils
+        from fsdp2_compat_harness.scenarios import import_fsdp_utils
         before = report()
         errors = {}
         for fw in frameworks:
@@ -699,8 +699,8 @@ def test_torchrun_every_rank_applies(venv, tmp_path):
 
 ENGINE_CHILD = r"""
 import sys
-from fsdp2_compat.tooling.engines import common, verl_engine
-from fsdp2_compat.tooling.ranks import run_ranks
+from fsdp2_compat_harness.engines import common, verl_engine
+from fsdp2_compat_harness.ranks import run_ranks
 path = common.model_dir("glm4v", sys.argv[1])
 results = run_ranks(verl_engine.train_verl_engine, 2, "glm4v", path, sys.argv[2], timeout=540)
 emit({"results": results, "driver": report()})
@@ -710,7 +710,7 @@ GLM4V_FORWARD = "verl:verl.models.transformers.glm4v."
 
 def _engine_run(venv, tmp_path, mode, env):
     from fsdp2_compat.fixes import glm4v_forward
-    from fsdp2_compat.tooling.engines import common, verl_engine
+    from fsdp2_compat_harness.engines import common, verl_engine
 
     unrunnable = verl_engine.unrunnable()
     if unrunnable is not None:

@@ -13,7 +13,7 @@ pytest.importorskip("torch", reason="needs torch")
 pytest.importorskip("transformers", reason="needs transformers (tiny models)")
 
 from fsdp2_compat.fixes import media_merge  # noqa: E402
-from fsdp2_compat.tooling import tiny  # noqa: E402
+from fsdp2_compat_harness import tiny  # noqa: E402
 
 DEPENDS_ON = ("torch", "transformers")
 

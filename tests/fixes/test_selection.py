@@ -5,7 +5,7 @@ import pytest
 nn = pytest.importorskip("torch.nn", reason="needs torch")
 pytest.importorskip("transformers", reason="needs transformers (tiny models)")
 
-from fsdp2_compat.tooling import tiny as tiny_models  # noqa: E402
+from fsdp2_compat_harness import tiny as tiny_models  # noqa: E402
 from fsdp2_compat.fixes.selection import (  # noqa: E402
     auxiliary_embeddings,
     embeddings_tied,

@@ -12,9 +12,9 @@ pytest.importorskip("transformers", reason="needs transformers (tiny models)")
 
 from fsdp2_compat import registry  # noqa: E402
 from fsdp2_compat.core import guards  # noqa: E402
-from fsdp2_compat.tooling import tiny as tiny_models  # noqa: E402
-from fsdp2_compat.tooling.ranks import run_ranks  # noqa: E402
-from fsdp2_compat.tooling.scenarios import train_fused  # noqa: E402
+from fsdp2_compat_harness import tiny as tiny_models  # noqa: E402
+from fsdp2_compat_harness.ranks import run_ranks  # noqa: E402
+from fsdp2_compat_harness.scenarios import train_fused  # noqa: E402
 
 # The releases this module's outcome depends on: .ci/test runs it once per distinct set of them (.ci/matrix.py).
 DEPENDS_ON = ("torch", "transformers", "verl")

@@ -104,7 +104,7 @@ FRAMEWORK, NO_FRAMEWORK = mixed_jobs.generic_framework()
 
 def _runnable():
     """``{family: None or the reason it cannot run here}``."""
-    from fsdp2_compat.tooling import tiny
+    from fsdp2_compat_harness import tiny
 
     out = {}
     for family in FAMILIES:
@@ -200,7 +200,7 @@ def test_a_tower_the_fix_cannot_serve_is_left_alone_and_the_fix_says_why(family)
     import torch
 
     from fsdp2_compat.fixes import mixed_media
-    from fsdp2_compat.tooling import tiny
+    from fsdp2_compat_harness import tiny
 
     if tiny.unavailable(family) is not None:
         pytest.skip(str(tiny.unavailable(family)))

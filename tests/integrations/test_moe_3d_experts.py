@@ -29,7 +29,7 @@ pytestmark = pytest.mark.skipif(guards.in_range(TRANSFORMERS, "<5.0.0rc0"),
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "glm4v_moe"])
 def test_ranks_that_reach_different_experts_are_exact_unpatched(family):
-    from fsdp2_compat.tooling import tiny
+    from fsdp2_compat_harness import tiny
 
     why = tiny.unavailable(family)
     if why is not None:

@@ -1,6 +1,6 @@
 """verl's own FSDP training engine (0.7, 0.8, 0.9), end to end on 2 CPU gloo ranks: the bug and the fix where users meet them.
 
-``fsdp2_compat.tooling.engines.verl_engine``: ``EngineRegistry.new("language_model",
+``fsdp2_compat_harness.engines.verl_engine``: ``EngineRegistry.new("language_model",
 "fsdp2")`` -> ``FSDPEngineWithLMHead``, a tiny model loaded from a saved
 directory, verl's SFT batches (different samples on each rank) through
 ``forward_backward_batch`` + ``optimizer_step`` and ``train_batch``, plain and
@@ -32,10 +32,10 @@ from fsdp2_compat import registry  # noqa: E402
 from fsdp2_compat.core import guards  # noqa: E402
 from fsdp2_compat.fixes import glm4v_forward  # noqa: E402
 from fsdp2_compat.integrations import verl as verl_targets  # noqa: E402
-from fsdp2_compat.tooling import tiny as tiny_models  # noqa: E402
-from fsdp2_compat.tooling.engines import FAMILIES, common, verl_engine  # noqa: E402
-from fsdp2_compat.tooling.mixed import gloo_error  # noqa: E402
-from fsdp2_compat.tooling.ranks import RankError, run_ranks  # noqa: E402
+from fsdp2_compat_harness import tiny as tiny_models  # noqa: E402
+from fsdp2_compat_harness.engines import FAMILIES, common, verl_engine  # noqa: E402
+from fsdp2_compat_harness.mixed import gloo_error  # noqa: E402
+from fsdp2_compat_harness.ranks import RankError, run_ranks  # noqa: E402
 from support import mixed_jobs  # noqa: E402
 
 # The releases this module's outcome depends on: .ci/test runs it once per distinct set of them (.ci/matrix.py).

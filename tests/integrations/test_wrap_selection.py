@@ -1,6 +1,6 @@
 """The wrap-selection fix, proven on real FSDP2 through each framework's own entry point.
 
-Each framework shards as its trainer does (``fsdp2_compat.tooling.frameworks.shard``):
+Each framework shards as its trainer does (``fsdp2_compat_harness.frameworks.shard``):
 verl / SkyRL ``apply_fsdp2``, AReaL ``parallelize_model``, LLaMA-Factory
 ``FSDP2Engine.prepare_model`` on the process group its ``DistributedInterface``
 creates.  For every framework release installed in this pinned set:
@@ -28,9 +28,9 @@ pytest.importorskip("transformers", reason="needs transformers (tiny models)")
 
 from fsdp2_compat import integrations, registry  # noqa: E402
 from fsdp2_compat.core import guards  # noqa: E402
-from fsdp2_compat.tooling import tiny as tiny_models  # noqa: E402
-from fsdp2_compat.tooling.ranks import run_ranks  # noqa: E402
-from fsdp2_compat.tooling.scenarios import tie_flag_refusal, train  # noqa: E402
+from fsdp2_compat_harness import tiny as tiny_models  # noqa: E402
+from fsdp2_compat_harness.ranks import run_ranks  # noqa: E402
+from fsdp2_compat_harness.scenarios import tie_flag_refusal, train  # noqa: E402
 from support.rank_jobs import train_families, wrap_plans  # noqa: E402
 
 # The releases this module's outcome depends on: .ci/test runs it once per distinct set of them (.ci/matrix.py).

@@ -13,7 +13,7 @@ def add_arguments(parser):
     """Add the ``audit`` arguments to an argparse parser."""
     src = parser.add_mutually_exclusive_group()
     src.add_argument("--model", metavar="FAMILY",
-                     help="a built-in tiny family (fsdp2_compat.tooling.tiny.FAMILIES), built from its "
+                     help="a built-in tiny family (fsdp2_compat_harness.tiny.FAMILIES), built from its "
                           "config class with 1-2 layers, hidden 32: no download")
     src.add_argument("--config", metavar="CLASSNAME",
                      help="a transformers config class name (e.g. Glm4vConfig); a class of a built-in family "
@@ -111,7 +111,7 @@ def _divergence(args, model, plan, layer_classes):
         raise AuditInputError("--batches runs transformers' own forwards: leave out --fused")
     family = args.model or _family_of_model_type(getattr(model.config, "model_type", "") or "")
     if family is not None and args.config_json and not args.model:
-        from fsdp2_compat.tooling import tiny
+        from fsdp2_compat_harness import tiny
 
         family = family if tiny.unavailable(family) is None else None
     kinds = divergence.parse_kinds(args.batches, family)

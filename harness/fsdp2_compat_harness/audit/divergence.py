@@ -38,7 +38,7 @@ PROBE_TOKENS = 2
 
 def default_kinds(family):
     """The kinds the family's tiny batch (its processor) supports; text only for a model outside the harness."""
-    from fsdp2_compat.tooling import tiny
+    from fsdp2_compat_harness import tiny
 
     if family is None or family not in tiny.FAMILIES or family in ("qwen2", "llama"):
         return ("text",)
@@ -69,8 +69,8 @@ def batch(kind, family, model, seed):
     """kwargs for ``model(**batch)`` of one kind."""
     import torch
 
-    from fsdp2_compat.tooling import tiny
-    from fsdp2_compat.tooling.tiny.text import text_only
+    from fsdp2_compat_harness import tiny
+    from fsdp2_compat_harness.tiny.text import text_only
 
     if kind == "text":
         if family is not None and len(default_kinds(family)) > 1:

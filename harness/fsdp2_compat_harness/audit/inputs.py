@@ -16,7 +16,7 @@ def _norm(text):
 
 
 def _families():
-    from fsdp2_compat.tooling import tiny as tiny_models
+    from fsdp2_compat_harness import tiny as tiny_models
 
     return tiny_models.FAMILIES
 
@@ -114,7 +114,7 @@ def _deep_merge(base, over):
 
 
 def _family_of_config_class(name):
-    from fsdp2_compat.tooling import tiny as tiny_models
+    from fsdp2_compat_harness import tiny as tiny_models
 
     for family, (_, cfg_cls) in tiny_models.CLASSES.items():
         if cfg_cls == name:
@@ -136,7 +136,7 @@ def _config_class(model_type):
 def _family_of_model_type(model_type):
     import transformers
 
-    from fsdp2_compat.tooling import tiny as tiny_models
+    from fsdp2_compat_harness import tiny as tiny_models
 
     for family, (_, cfg_cls) in tiny_models.CLASSES.items():
         cls = getattr(transformers, cfg_cls, None)
@@ -185,7 +185,7 @@ def build_inputs(args):
     """(model, batch, label, notes) for parsed CLI arguments."""
     import transformers
 
-    from fsdp2_compat.tooling import tiny as tiny_models
+    from fsdp2_compat_harness import tiny as tiny_models
 
     sets = _parse_sets(args.set)
     notes = []
@@ -252,7 +252,7 @@ def _generic(config, label, notes):
 def _from_json(path, sets, tie, notes):
     import transformers
 
-    from fsdp2_compat.tooling import tiny as tiny_models
+    from fsdp2_compat_harness import tiny as tiny_models
 
     try:
         with open(path, encoding="utf-8") as f:

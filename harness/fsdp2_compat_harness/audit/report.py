@@ -1,6 +1,6 @@
 """Reports: one audit as a dict and a table, and the sweep over families x plans."""
 
-from fsdp2_compat.tooling.verl_batches import add_verl_position_ids
+from fsdp2_compat_harness.verl_batches import add_verl_position_ids
 
 from .findings import AuditInputError, Finding
 from .ownership import plan_problems
@@ -21,7 +21,7 @@ def _fix_verl_glm4v_forward():
     """Apply the glm4v patch's verl-forward targets only (not its lm_head ones); the attrs that applied."""
     from fsdp2_compat.core import engine
     from fsdp2_compat.integrations import verl
-    from fsdp2_compat.tooling import subset
+    from fsdp2_compat_harness import subset
 
     name = subset.request([t.key for t in verl.GLM4V_FORWARD])
     return [o.target.attr for _, o in engine.outcomes([name]) if o.kind == engine.APPLIED]
@@ -58,7 +58,7 @@ def report(model, batch, plan, label, fused=False, layer_classes=None, notes=())
                                                                            str(exc).splitlines()[0] if str(exc) else ""))
     finally:
         if verl_glm4v:
-            from fsdp2_compat.tooling import subset
+            from fsdp2_compat_harness import subset
 
             subset.forget()
     if plan == "verl" and not layer_classes_of(model) and layer_classes is None:
@@ -125,7 +125,7 @@ def sweep(families=None, plans=SWEEP_PLANS, batches=True):
     ``batches``: also the divergence audit (``divergence.for_model``, the family's default batch kinds,
     unpatched and with its patch; computed once per distinct set of units) and ``bug_classes``."""
     from fsdp2_compat.core import guards
-    from fsdp2_compat.tooling import tiny as tiny_models
+    from fsdp2_compat_harness import tiny as tiny_models
 
     if families is None:
         families = [f for f in tiny_models.FAMILIES if f not in ("qwen2", "llama")]
@@ -160,7 +160,7 @@ def sweep(families=None, plans=SWEEP_PLANS, batches=True):
 
 
 def _sweep_divergence(family, plan):
-    from fsdp2_compat.tooling import tiny as tiny_models
+    from fsdp2_compat_harness import tiny as tiny_models
 
     from . import divergence
 

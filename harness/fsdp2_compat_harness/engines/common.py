@@ -8,7 +8,7 @@ import os
 #                   installed wheel's .pth bootstrap, or verl's plugin entry point)
 #   "auto"          ``import fsdp2_compat.auto`` (FSDP2_COMPAT_PATCHES selects the patches)
 #   names / keys    ``fsdp2_compat.apply`` (a selection string or list; target keys and "-" items
-#                   through ``tooling.subset``)
+#                   through ``fsdp2_compat_harness.subset``)
 ENV, AUTO = "env", "auto"
 
 TOL = 1e-5  # fp32 throughout: the sharded run and the reference differ by summation order only
@@ -41,7 +41,7 @@ def activate(patches):
         from fsdp2_compat.core import engine
 
         return engine.requested()
-    from fsdp2_compat.tooling import subset
+    from fsdp2_compat_harness import subset
 
     return subset.apply(patches)
 
@@ -85,7 +85,7 @@ def build_tokenizer(path, vocab_size=256):
 def model_dir(family, root, tokenizer=True, vision=None):
     """``root/family``: ``save_pretrained`` of the tiny untied model (seed 0), plus a tokenizer; built once.
     ``vision``: ``tiny.build``'s vision overrides (the directory's name then lists them)."""
-    from fsdp2_compat.tooling import tiny
+    from fsdp2_compat_harness import tiny
 
     path = os.path.join(root, family + "".join("-%s%s" % kv for kv in sorted((vision or {}).items())))
     if not os.path.exists(os.path.join(path, "config.json")):
@@ -102,7 +102,7 @@ def compare(module, reference, result, key):
     ``_grad_err`` / ``_worst_grad`` (every parameter, by name), ``_lm_head_grad_err``
     and ``_grads_checked``; gradients are gathered from their shards.
     """
-    from fsdp2_compat.tooling.scenarios import full_values, rel_err
+    from fsdp2_compat_harness.scenarios import full_values, rel_err
 
     ref = dict(reference.named_parameters())
     worst, name_worst, lm, checked = 0.0, None, 0.0, 0
@@ -123,7 +123,7 @@ def compare(module, reference, result, key):
 
 def param_err(module, reference):
     """Worst parameter error (sharded parameters gathered), by name."""
-    from fsdp2_compat.tooling.scenarios import full_values, rel_err
+    from fsdp2_compat_harness.scenarios import full_values, rel_err
 
     ref = dict(reference.named_parameters())
     named = list(module.named_parameters())
@@ -132,7 +132,7 @@ def param_err(module, reference):
 
 def units(model):
     """Names of the FSDP2 units in ``model``."""
-    from fsdp2_compat.tooling.scenarios import wrapped_module_names
+    from fsdp2_compat_harness.scenarios import wrapped_module_names
 
     return wrapped_module_names(model)
 

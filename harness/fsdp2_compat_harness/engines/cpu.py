@@ -292,10 +292,10 @@ def bert_padding_during_import():
         out[indices] = hidden_states
         return out.reshape(batch, seqlen, *hidden_states.shape[1:])
 
-    pkg = types.ModuleType("flash_attn", "CPU stand-in (fsdp2_compat.tooling.engines.cpu), import time only")
+    pkg = types.ModuleType("flash_attn", "CPU stand-in (fsdp2_compat_harness.engines.cpu), import time only")
     pkg.__path__ = []
     pkg.__spec__ = importlib.machinery.ModuleSpec("flash_attn", None, is_package=True)
-    sub = types.ModuleType("flash_attn.bert_padding", "CPU stand-in (fsdp2_compat.tooling.engines.cpu)")
+    sub = types.ModuleType("flash_attn.bert_padding", "CPU stand-in (fsdp2_compat_harness.engines.cpu)")
     sub.__spec__ = importlib.machinery.ModuleSpec("flash_attn.bert_padding", None)
     sub.pad_input, sub.unpad_input = pad_input, unpad_input
     pkg.bert_padding = sub

@@ -18,7 +18,7 @@ kernel, none for code fsdp2-compat patches or code that wraps the model:
 Liger's rope / RMSNorm / SwiGLU kernels are turned off through the patch
 function's own arguments.  Everything else the forward runs (unpadding, rope
 index, tower, deepstack merge, varlen SDPA attention, the per-sequence label
-shift) is lmms-engine's.  Used by ``fsdp2-compat check`` (``tooling.mixed``)
+shift) is lmms-engine's.  Used by ``fsdp2-compat check`` (``fsdp2_compat_harness.mixed``)
 and ``tests/integrations/test_lmms_engine_forwards.py``.
 """
 

@@ -3,7 +3,7 @@
 Used by ``fsdp2-compat check`` (its "ms-swift ..." rows: ``cases``, ``run_case``) and by
 ``tests/integrations/test_ms_swift.py`` / ``test_ms_swift_liger.py``, which run more families and cases.
 
-``swift_cases`` (the loader's forward): per case, on every rank: a tiny model (``fsdp2_compat.tooling.tiny``;
+``swift_cases`` (the loader's forward): per case, on every rank: a tiny model (``fsdp2_compat_harness.tiny``;
 Qwen3.5, which it lacks, from ``qwen3_5_config`` below in its geometry) is saved with ``save_pretrained`` and
 loaded back through ms-swift's own loader (``get_model_info_meta`` -> the model type's ``ModelLoader``
 subclass -> its ``get_model``: for Qwen3-VL that is where ``_compat_qwen3_vl_mixed_data`` replaces the
@@ -23,7 +23,7 @@ forward, which runs the base model for the last hidden state and hands ``unwrapp
 liger-kernel's ``LigerFusedLinearGRPOLoss`` (built as ``GRPOTrainer.__init__`` builds it).  The trainer is a
 real instance whose ``__init__`` is skipped (it needs datasets, a rollout engine, reward functions), with the
 attributes the method reads set as ``__init__`` sets them (``args``: a namespace with the field read;
-``tooling/trl_scenarios`` does the same for TRL's trainers).  ``read`` records, through a forward pre-hook on
+``fsdp2_compat_harness.trl_scenarios`` does the same for TRL's trainers).  ``read`` records, through a forward pre-hook on
 the liger loss module, the type of the head weight that reached it.  (GKD's Liger path, which fails before
 any head read patched or not: ``tests/support/swift_rl_jobs.py``.)
 
@@ -41,7 +41,7 @@ The check's rows (``KINDS``): one step of each, unpatched then with the family's
 for GRPO its trl and liger-kernel) is importable and the installed code of the row's path is the code
 ``integrations.ms_swift.PATHS`` records as proven (``core.covered.verdict``; ``unavailable``).  A crash shows
 as the crash, a gloo abort (the text-only rank skipping the tower's collectives) as gloo's message, read from
-the ranks' stderr as ``tooling.mixed`` reads it.
+the ranks' stderr as ``fsdp2_compat_harness.mixed`` reads it.
 """
 
 import copy
@@ -56,7 +56,7 @@ SWIFT = {
     "qwen3_5": ("qwen3_5", "qwen3_5"),
     "qwen2": ("qwen2", "qwen2_5"),  # GRPO's text control
 }
-# Families ``fsdp2_compat.tooling.tiny`` does not build: the config here, the batches of the family named
+# Families ``fsdp2_compat_harness.tiny`` does not build: the config here, the batches of the family named
 BATCHES_OF = {"qwen3_5": "qwen3_vl"}  # Qwen3.5's tower and media inputs are Qwen3-VL's (no deepstack)
 
 
@@ -64,7 +64,7 @@ def qwen3_5_config():
     """A tiny Qwen3.5 (one linear-attention and one full-attention layer) in ``tiny.configs``' geometry."""
     import transformers
 
-    from fsdp2_compat.tooling.tiny import configs as c
+    from fsdp2_compat_harness.tiny import configs as c
 
     text = c._text(False, head_dim=c._HEAD_DIM, layer_types=["linear_attention", "full_attention"],
                    linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
@@ -83,7 +83,7 @@ def build(family, seed=0):
     import torch
     import transformers
 
-    from fsdp2_compat.tooling import tiny
+    from fsdp2_compat_harness import tiny
 
     if family != "qwen3_5":
         return tiny.build(family, tie=False, seed=seed)
@@ -144,10 +144,10 @@ def swift_case(rank, world, directory, family, patches, media=("image",), late=F
 
     import fsdp2_compat
     from fsdp2_compat.fixes import mixed_media
-    from fsdp2_compat.tooling import subset, tiny
-    from fsdp2_compat.tooling.scenarios import train_against_reference
-    from fsdp2_compat.tooling.tiny.text import text_only
-    from fsdp2_compat.tooling.trl_scenarios import cpu_fsdp, make_accelerator, rank_env
+    from fsdp2_compat_harness import subset, tiny
+    from fsdp2_compat_harness.scenarios import train_against_reference
+    from fsdp2_compat_harness.tiny.text import count_forwards, one_rank_with_media
+    from fsdp2_compat_harness.trl_scenarios import cpu_fsdp, make_accelerator, rank_env
 
     rank_env(rank, world)
     if not late:
@@ -166,13 +166,7 @@ def swift_case(rank, world, directory, family, patches, media=("image",), late=F
         template.register_post_encode_hook([model, reference])
         acc = make_accelerator()
         model, _ = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=lr))
-        calls = []
-
-        def count(module, inputs, output):
-            if torch._C._current_graph_task_id() == -1 and calls:  # outside backward (not a recompute)
-                calls[-1] += 1
-
-        _tower(model).register_forward_hook(count)
+        calls = count_forwards(_tower(model))
         result = {"error": None, "losses": [], "loss_err": 0.0, "grad_err": 0.0, "worst_grad": None,
                   "param_err": 0.0, "grads_checked": 0, "tower_calls": calls, "loader": loader,
                   "origin_forward": swapped, "status_rows": rows, "template": type(template).__name__}
@@ -180,8 +174,7 @@ def swift_case(rank, world, directory, family, patches, media=("image",), late=F
 
         def batches_for(step):
             kind = BATCHES_OF.get(family, family)
-            batches = [tiny.make_batch(kind, reference, seed=1 + 10 * step + r, media=media) for r in range(world)]
-            return [b if r == step % world else text_only(b, seed=1000 + 10 * step + r) for r, b in enumerate(batches)]
+            return one_rank_with_media(lambda seed: tiny.make_batch(kind, reference, seed=seed, media=media), step, world)
 
         def loss_of(module, batch):
             if module is model:
@@ -204,8 +197,8 @@ def swift_cases(rank, world, directory, cases):
     import fsdp2_compat
     from accelerate.state import AcceleratorState
 
-    from fsdp2_compat.tooling import subset
-    from fsdp2_compat.tooling.mixed import stderr_to_file
+    from fsdp2_compat_harness import subset
+    from fsdp2_compat_harness.mixed import stderr_to_file
 
     stderr_to_file(directory, rank)  # gloo's abort message lands there (rank<N>.err)
     out = []
@@ -255,7 +248,7 @@ def _grpo_inputs(family, reference, seed):
     import torch
     from swift.rl_core.data import GRPOBatch
 
-    from fsdp2_compat.tooling import tiny
+    from fsdp2_compat_harness import tiny
 
     batch = tiny.make_batch(family, reference, seed=seed)
     batch.pop("labels")
@@ -274,9 +267,9 @@ def grpo_liger(rank, world, family, patches, steps=2, lr=0.05):
     import torch
     from swift.rlhf_trainers.grpo_trainer import GRPOTrainer
 
-    from fsdp2_compat.tooling import subset, tiny
-    from fsdp2_compat.tooling.scenarios import train_against_reference
-    from fsdp2_compat.tooling.trl_scenarios import cpu_fsdp, make_accelerator, rank_env
+    from fsdp2_compat_harness import subset, tiny
+    from fsdp2_compat_harness.scenarios import train_against_reference
+    from fsdp2_compat_harness.trl_scenarios import cpu_fsdp, make_accelerator, rank_env
 
     rank_env(rank, world)
     subset.apply(patches)

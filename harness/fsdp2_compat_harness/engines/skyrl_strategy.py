@@ -36,7 +36,7 @@ DIST = "skyrl"
 def modules():
     """(fsdp_strategy, fsdp_utils, model_wrapper) of the installed skyrl, imported (``RuntimeError`` if they cannot be)."""
     from fsdp2_compat import integrations
-    from fsdp2_compat.tooling.scenarios import ensure_skyrl_backends_package
+    from fsdp2_compat_harness.scenarios import ensure_skyrl_backends_package
 
     from . import cpu
 
@@ -87,7 +87,7 @@ def unrunnable():
 
 def make_batch(family, model, seed):
     """Right-padded sequences (prompt + image span + response); odd rows two response tokens shorter."""
-    from fsdp2_compat.tooling import tiny
+    from fsdp2_compat_harness import tiny
 
     batch = tiny.make_batch(family, model, seed=seed, batch_size=SAMPLES_PER_RANK)
     ids, att = batch["input_ids"], batch["attention_mask"]
@@ -100,7 +100,7 @@ def make_batch(family, model, seed):
 
 def _text_only(batch, seed):
     """``batch`` without its images: a text-only rank's micro-batches (same lengths and padding)."""
-    from fsdp2_compat.tooling.tiny.text import text_only
+    from fsdp2_compat_harness.tiny.text import text_only
 
     plain = text_only({"input_ids": batch["sequences"]}, seed)
     ids = plain["input_ids"] * batch["attention_mask"]
@@ -157,7 +157,7 @@ def train_skyrl_strategy(rank, world, family, model_dir, patches, steps=2, mixed
 
     from fsdp2_compat.core import guards
     from fsdp2_compat.fixes import mixed_media
-    from fsdp2_compat.tooling.scenarios import first_line
+    from fsdp2_compat_harness.scenarios import first_line
 
     from . import common, cpu
 

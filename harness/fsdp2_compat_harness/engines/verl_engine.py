@@ -99,8 +99,8 @@ def make_samples(family, model, seed, text=False, media=("image",)):
     """
     import torch
 
-    from fsdp2_compat.tooling import tiny
-    from fsdp2_compat.tooling.tiny.text import text_only
+    from fsdp2_compat_harness import tiny
+    from fsdp2_compat_harness.tiny.text import text_only
 
     batch = tiny.make_batch(family, model, seed=seed, batch_size=SAMPLES_PER_RANK, media=media)
     labels = batch.pop("labels", None)
@@ -263,7 +263,7 @@ def train_verl_engine(rank, world, family, model_dir, patches, fused=False, bf16
 
     from . import common, cpu
     from fsdp2_compat.fixes import media_merge, mixed_media
-    from fsdp2_compat.tooling.scenarios import first_line
+    from fsdp2_compat_harness.scenarios import first_line
 
     start = time.perf_counter()
     result = {"family": family, "fused": fused, "bf16": bf16, "patches": patches, "error": None, "losses": [],

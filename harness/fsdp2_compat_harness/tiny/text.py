@@ -46,3 +46,25 @@ def text_only(batch: dict, seed: int) -> dict:
     if "mm_token_type_ids" in batch:
         out["mm_token_type_ids"] = torch.zeros_like(batch["mm_token_type_ids"])
     return out
+
+
+def one_rank_with_media(make, step: int, world: int) -> list:
+    """The micro-batches of ``world`` ranks at ``step``: rank ``step % world`` gets ``make(seed)`` (its media), every
+    other rank that batch's text-only version (``text_only``), so each rank is text-only on some step."""
+    batches = [make(1 + 10 * step + r) for r in range(world)]
+    return [b if r == step % world else text_only(b, seed=1000 + 10 * step + r) for r, b in enumerate(batches)]
+
+
+def count_forwards(module) -> list:
+    """A list the caller appends ``0`` to before each micro-batch; ``module``'s forwards outside backward (not
+    a checkpoint's recompute) then count into its last entry."""
+    import torch
+
+    calls = []
+
+    def count(_module, inputs, output):
+        if torch._C._current_graph_task_id() == -1 and calls:
+            calls[-1] += 1
+
+    module.register_forward_hook(count)
+    return calls
