@@ -23,8 +23,8 @@ WRAP_SELECTION = Fix(
     references=("SkyRL issue #2087", "SkyRL PR #2088"),
     delete_when="when every framework release you run selects only layer classes and the untied input embedding "
                 "for their own FSDP2 groups (SkyRL PR #2088 released; verl has no fix yet)",
-    scenarios=("selection",),
-    tests=("tests/integrations/test_wrap_selection.py", "tests/integrations/test_areal.py",
+    scenarios=("selection", "verl engine", "skyrl strategy"),
+    tests=("tests/integrations/test_wrap_selection.py", "tests/integrations/test_skyrl_strategy.py", "tests/integrations/test_areal.py",
            "tests/integrations/test_llamafactory.py", "tests/fixes/test_selection.py"),
 )
 
@@ -123,7 +123,7 @@ ACCELERATE_VLM_NORM = Fix(
             "on one rank's gradient",
     references=("accelerate PR #4015",),
     delete_when="when every accelerate you run finds a VLM decoder's final norm (_find_final_norm)",
-    scenarios=("accelerate lm_head reader, 2 ranks",),
+    scenarios=("accelerate lm_head reader, 2 ranks", "ms-swift GRPO Liger, 2 ranks"),
     tests=("tests/integrations/test_accelerate.py",),
 )
 
@@ -148,7 +148,8 @@ MIXED_MEDIA = Fix(
     references=("TRL issue #3934", "torchtitan issue #4777"),
     delete_when="when transformers keeps every rank in the vision tower's collectives on text-only micro-batches in "
                 "every release you run",
-    scenarios=("mixed ranks, 2 ranks", "mixed ranks, its own forward, 2 ranks"),
+    scenarios=("mixed ranks, 2 ranks", "mixed ranks, its own forward, 2 ranks", "ms-swift Qwen3-VL forward, 2 ranks",
+               "audit divergence"),
     tests=("tests/integrations/test_mixed_ranks.py", "tests/integrations/test_mixed_families.py",
            "tests/integrations/test_mixed_media_kinds.py", "tests/integrations/test_lmms_engine_forwards.py"),
 )
@@ -173,7 +174,7 @@ MOE_EXPERTS = Fix(
     references=("pytorch issue #171355", "SkyRL issue #1297", "SkyRL PR #1370"),
     delete_when="when every transformers you train MoE models with is >= 5.0 (3-D experts: every rank has every "
                 "gradient)",
-    scenarios=("MoE experts, 2 ranks",),
+    scenarios=("MoE experts, 2 ranks", "audit divergence"),
     tests=("tests/integrations/test_moe_experts.py", "tests/integrations/test_moe_3d_experts.py"),
 )
 

@@ -1,4 +1,4 @@
-"""Mixed text/image micro-batches across ranks, for ``fsdp2-compat check``: rank 0 an image, rank 1 text only.
+"""Mixed text/image micro-batches across ranks (``fsdp2-compat check``'s ``check.mixed_ranks``): rank 0 an image, rank 1 text only.
 
 ``train_mixed(rank, world, framework, family, patches, stderr_dir)`` builds a
 tiny model, shards it through the framework's own entry point
@@ -14,11 +14,8 @@ every framework and more families (``tests/integrations/test_mixed_ranks.py``).
 
 import os
 
-KIND = "mixed ranks, 2 ranks"  # the check's row kind
-FAMILY = "qwen2_5_vl"  # the issue's family; the tests run more (tests/integrations/test_mixed_ranks.py)
-# The same through a trainer's own forward that replaces transformers' (lmms-engine's use_rmpad forwards:
-# engines.lmms_forwards); the tests run more families (tests/integrations/test_lmms_engine_forwards.py).
-OWN_KIND = "mixed ranks, its own forward, 2 ranks"
+# The trainers' own forwards that replace transformers' (lmms-engine's use_rmpad forwards: engines.lmms_forwards),
+# and the family run through each; the tests run more families (tests/integrations/test_lmms_engine_forwards.py).
 OWN_FORWARDS = {"lmms-engine": "qwen3_vl"}
 GLOO_MISMATCH = "Received data size doesn't match expected size"
 PG_TIMEOUT = 20  # seconds: the surviving rank's wait in a collective its peer never joins
@@ -91,56 +88,6 @@ def gloo_error(stderr_dir, world):
                 if GLOO_MISMATCH in line:
                     return line.strip()
     return None
-
-
-def quiet_train_mixed(rank, world, *args, **kwargs):
-    """``train_mixed`` in a rank process, its prints captured into ``result["output"]`` (``--json`` stays JSON)."""
-    from .rank_cases import captured as _captured
-
-    result, output = _captured(train_mixed, rank, world, *args, **kwargs)
-    result["output"] = output
-    return result
-
-
-def cases(frameworks, families=None):
-    """``[(framework, family, patch)]`` for the check: ``FAMILY`` through each of ``frameworks``."""
-    from fsdp2_compat import registry
-
-    from . import tiny
-
-    p = registry.for_model_type(FAMILY)
-    if (families is not None and FAMILY not in families) or tiny.unwrappable(FAMILY) is not None:
-        return []
-    if p is None or not any(t in registry.MIXED_MEDIA for t in p.targets):
-        return []
-    return [(framework, FAMILY, p.name) for framework in frameworks]
-
-
-def own_forward_cases(frameworks, families=None):
-    """``[(framework, family, patch)]``: ``OWN_FORWARDS`` of the installed ``frameworks`` that can run here."""
-    from fsdp2_compat import registry
-
-    from .engines import lmms_forwards
-
-    out = []
-    for framework, family in OWN_FORWARDS.items():
-        p = registry.for_model_type(family)
-        if framework in frameworks and (families is None or family in families) and p is not None \
-                and lmms_forwards.unavailable() is None:
-            out.append((framework, family, p.name))
-    return out
-
-
-def run_case(framework, family, patch, own_forwards=False):
-    """One check case on 2 ranks (``rank_cases.two_ranks``); unpatched, gloo's abort is read from the ranks' stderr."""
-    import tempfile
-
-    from .rank_cases import two_ranks as _two_ranks
-
-    with tempfile.TemporaryDirectory(prefix="fsdp2_compat_mixed_") as tmp:
-        result = _two_ranks(quiet_train_mixed, framework, family, patch, tmp, own_forwards, retries=0,
-                            pg_timeout=PG_TIMEOUT, timeout=PG_TIMEOUT + 120)
-        return gloo_verdict(result, tmp)
 
 
 def gloo_verdict(result, stderr_dir, world=2):

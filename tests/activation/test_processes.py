@@ -2,9 +2,11 @@
 
 What is under test is what users install: a wheel is built from this working
 tree (``pip wheel``) and installed, not editable, into a fresh venv.  That venv
-holds only the wheel; torch, verl, ray, wrapt, packaging... are reached through
-a path line (``zzz_fsdp2_compat_test_host.pth``, processed after ours) pointing
-at this interpreter's site-packages, so the fsdp2-compat code, its ``.pth`` and
+holds only the wheel; torch, verl, ray, wrapt, packaging... and the harness (a
+distribution of its own, as ``pip install ./harness`` installs it beside the
+wheel) are reached through path lines (``zzz_fsdp2_compat_test_host.pth``,
+processed after ours) pointing at this interpreter's site-packages and the
+harness's folder, so the fsdp2-compat code, its ``.pth`` and
 its entry point are provably the installed ones (each child checks
 ``fsdp2_compat.__file__`` and the entry point's distribution path).  Children
 run with a scratch cwd and without PYTHONPATH, so the repository cannot leak in.
@@ -161,6 +163,11 @@ def _host_paths():
     for key in ("purelib", "platlib"):
         if paths[key] not in out:
             out.append(paths[key])
+    # The harness's folder (the children run its engines): an editable install's own .pth in site-packages is
+    # not processed through a path line.  Only fsdp2_compat_harness sits there, never the runtime's source.
+    spec = importlib.util.find_spec("fsdp2_compat_harness")
+    if spec is not None:
+        out.append(os.path.dirname(list(spec.submodule_search_locations)[0]))
     return out
 
 

@@ -1,6 +1,6 @@
 """ms-swift 4.6.0's own loader, templates and GRPO Liger loss on accelerate's FSDP2, 2 CPU gloo ranks.
 
-Used by ``fsdp2-compat check`` (its "ms-swift ..." rows: ``cases``, ``run_case``) and by
+Used by ``fsdp2-compat check`` (its "ms-swift ..." rows: ``check.ms_swift``) and by
 ``tests/integrations/test_ms_swift.py`` / ``test_ms_swift_liger.py``, which run more families and cases.
 
 ``swift_cases`` (the loader's forward): per case, on every rank: a tiny model (``fsdp2_compat_harness.tiny``;
@@ -36,12 +36,6 @@ torchvision for their video half (no CPU build of it for torch 2.13.0 here), and
 ``attention_mask``, ``pixel_values``, ``image_grid_thw``...), not from ``template.encode``, which needs the
 tokenizer ms-swift would load with that processor.  Nothing of ms-swift's, accelerate's, liger-kernel's or
 transformers' model code is replaced.
-
-The check's rows (``KINDS``): one step of each, unpatched then with the family's patch, where ms-swift (and
-for GRPO its trl and liger-kernel) is importable and the installed code of the row's path is the code
-``integrations.ms_swift.PATHS`` records as proven (``core.covered.verdict``; ``unavailable``).  A crash shows
-as the crash, a gloo abort (the text-only rank skipping the tower's collectives) as gloo's message, read from
-the ranks' stderr as ``fsdp2_compat_harness.mixed`` reads it.
 """
 
 import copy
@@ -315,92 +309,3 @@ def unit_of(model, module):
 
 
 # --- fsdp2-compat check's rows: one step each, unpatched and with the family's patch --------------------------------
-
-FORWARD_KIND = "ms-swift Qwen3-VL forward, 2 ranks"
-GRPO_KIND = "ms-swift GRPO Liger, 2 ranks"
-# kind -> (family, the integrations.ms_swift.PATHS attribute its case runs, the modules it imports besides swift)
-KINDS = {FORWARD_KIND: ("qwen3_vl", "_compat_qwen3_vl_mixed_data", ()),
-         GRPO_KIND: ("qwen2_5_vl", "GRPOTrainer.compute_liger_loss", ("trl", "liger_kernel"))}
-ACCELERATE_TAIL = ">=1.14.0,<=1.15.0"  # accelerate's lm_head tail unit, where GRPO's head read breaks (proven)
-NOTE = ("note: 'ms-swift ...' rows train through ms-swift's own code on accelerate's FSDP2 (its loader's Qwen3-VL "
-        "forward with a text-only rank; GRPO's Liger loss) on 2 gloo ranks with different data and compare every "
-        "gradient with the data-parallel reference.")
-
-
-def _carries_fix(kind, patch):
-    """Whether ``patch`` carries the targets that fix ``kind``'s path (``integrations.ms_swift``)."""
-    from fsdp2_compat import registry
-
-    if kind == FORWARD_KIND:
-        return any(t in registry.MIXED_MEDIA for t in patch.targets)
-    return any(t.dist == "accelerate" for t in patch.targets)
-
-
-def unavailable(kind):
-    """Why the check's ``kind`` row cannot run here (ms-swift or a module the case imports missing, the path's
-    installed code not the code proven, accelerate without the tail unit), or None."""
-    import importlib.util
-
-    from fsdp2_compat.core import covered, guards
-    from fsdp2_compat.integrations import ms_swift as integration
-
-    _, attr, modules = KINDS[kind]
-    version = guards.installed_version("ms-swift")
-    if version is None:
-        return "ms-swift is not installed"
-    missing = [m for m in ("swift", "accelerate") + modules if importlib.util.find_spec(m) is None]
-    if missing:
-        return "needs %s" % ", ".join(missing)
-    [path] = [p for p in integration.PATHS if p.attr == attr]
-    outcome, detail = covered.verdict("ms-swift", path)
-    if outcome != "proven":
-        return "ms-swift %s: %s.%s is %s (%s)" % (version, path.module, attr, outcome, detail)
-    accelerate = guards.installed_version("accelerate")
-    if kind == GRPO_KIND and not guards.in_range(accelerate, ACCELERATE_TAIL):
-        return "accelerate %s: no lm_head tail unit (%s)" % (accelerate, ACCELERATE_TAIL)
-    return None
-
-
-def cases(families=None):
-    """``[(kind, family, patch)]``: the check's ms-swift rows that run here, each with its family's patch where
-    that patch carries the fix of the row's path."""
-    from fsdp2_compat import registry
-
-    from .. import tiny
-
-    out = []
-    for kind, (family, _, _) in KINDS.items():
-        patch = registry.for_model_type(family)
-        if (families is None or family in families) and patch is not None and _carries_fix(kind, patch) \
-                and unavailable(kind) is None and tiny.unavailable(family) is None:
-            out.append((kind, family, patch.name))
-    return out
-
-
-def check_steps(rank, world, kind, family, patches, directory, steps=1):
-    """The check's ``kind`` case in a rank process: its fds 1 and 2 to ``directory``/rank<N>.err (gloo's abort
-    message), its Python-level prints captured into ``result["output"]``."""
-    from ..mixed import stderr_to_file
-    from ..rank_cases import captured
-
-    stderr_to_file(directory, rank)
-    if kind == FORWARD_KIND:
-        result, output = captured(swift_case, rank, world, os.path.join(directory, "model"), family, patches,
-                                  steps=steps)
-    else:
-        result, output = captured(grpo_liger, rank, world, family, patches, steps=steps)
-    result["output"] = output
-    return result
-
-
-def run_case(kind, family, patch):
-    """One check row's side on 2 ranks (``rank_cases.two_ranks``); a gloo abort is read from the ranks' stderr."""
-    import tempfile
-
-    from ..mixed import PG_TIMEOUT, gloo_verdict
-    from ..rank_cases import two_ranks
-
-    with tempfile.TemporaryDirectory(prefix="fsdp2_compat_swift_") as tmp:  # the checkpoint, the ranks' stderr
-        result = two_ranks(check_steps, kind, family, patch, tmp, retries=0, pg_timeout=PG_TIMEOUT,
-                           timeout=PG_TIMEOUT + 240)
-        return gloo_verdict(result, tmp)

@@ -14,6 +14,8 @@ where nothing diverges says "not reproduced on this stack" (transformers 5.x's
 cases on real collectives; these rows cover every batch kind in seconds.
 """
 
+from .scenario import Case, Result, Scenario
+
 KIND = "audit divergence"
 # A VLM with images and videos, the MoE VLM of the issue, and a text MoE (no FAMILIES entry: text kinds only).
 FAMILIES = ("qwen2_5_vl", "glm4v_moe", "qwen3_moe")
@@ -25,7 +27,7 @@ def cases(families=None):
     transformers has and that the catalogue lists."""
     from fsdp2_compat import registry
 
-    from . import tiny
+    from .. import tiny
 
     out = []
     for family in FAMILIES:
@@ -42,7 +44,7 @@ def _summary(findings):
 
 def run_case(family, patch):
     """``(unpatched, patched)`` result dicts for ``check``'s row of ``family``."""
-    from . import tiny
+    from .. import tiny
     from .audit import divergence
     from .tiny import moe
 
@@ -66,14 +68,31 @@ def run_case(family, patch):
     return unpatched, {"error": None, "loss_err": None}
 
 
-def results(families=None, progress=None):
-    """``[(family, patch, unpatched, patched)]`` for ``check``'s rows, run with no process group up (the
-    audit makes its own); ``fixed`` in a row means no unit diverges with the patch (``patched["error"]``
-    is None): the audit compares collectives, not a loss."""
-    todo = cases(families)
-    out = []
-    for i, (family, patch) in enumerate(todo, 1):
-        if progress:
-            progress("[audit %d/%d] %s (%s)" % (i, len(todo), family, KIND))
-        out.append((family, patch) + run_case(family, patch))
-    return out
+class Divergence(Scenario):
+    """Run with no process group up (the audit makes its own); "fixed" means no unit diverges with the patch:
+    the audit compares collectives, not a loss."""
+
+    KINDS = (KIND,)
+    ORDER = 100
+    BEFORE_GROUP = True
+
+    def cases(self, stack):
+        from fsdp2_compat.core import guards
+
+        version = guards.installed_version("transformers")
+        return [Case("transformers", version, family, patch, KIND) for family, patch in cases(stack.families)]
+
+    def __init__(self):
+        self._patched = {}  # case -> its patched side: one audit serves both sides
+
+    def run(self, case, patched, scratch):
+        if patched:
+            return Result.of(self._patched.pop(case))
+        unpatched, self._patched[case] = run_case(case.family, case.patch)
+        return Result.of(unpatched)
+
+    def fixed(self, case, unpatched, patched):
+        return patched.error is None
+
+
+SCENARIO = Divergence()
