@@ -66,6 +66,20 @@ def _imports(name, path, top_level_only=False):
     return out
 
 
+def test_every_relative_import_names_a_module_of_its_package():
+    """Function-level imports run late (a rank, a command): one that names no module fails only there."""
+    for name, path in MODULES.items():
+        tree = ast.parse(open(path, encoding="utf-8").read())
+        package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+                assert mod in MODULES, "%s: from %s%s import ... names no module" % (
+                    name, "." * node.level, node.module or "")
+
+
 def test_no_module_is_over_500_lines():
     long = {n: sum(1 for _ in open(p, encoding="utf-8")) for n, p in MODULES.items()}
     assert {n: k for n, k in long.items() if k > MAX_LINES} == {}

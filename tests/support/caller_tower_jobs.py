@@ -53,7 +53,7 @@ def caller_ran_tower(rank, world, directory, family, patches, steps=3):
     from fsdp2_compat_harness import tiny
     from fsdp2_compat_harness.mixed import stderr_to_file
     from fsdp2_compat_harness.scenarios import train_against_reference
-    from fsdp2_compat_harness.tiny.text import count_forwards, one_rank_with_media
+    from fsdp2_compat_harness.tiny.text import count_forwards, counted_loss, one_rank_with_media
 
     stderr_to_file(directory, rank)
     if patches:
@@ -80,13 +80,7 @@ def caller_ran_tower(rank, world, directory, family, patches, steps=3):
     for m in (model, reference):  # FSDP2 prepends its own pre-hook: the root unit is unsharded before this one
         m.register_forward_pre_hook(post_encode, with_kwargs=True)
 
-    def loss_of(module, batch):
-        if module is model:
-            calls.append(0)
-        out = module(**batch)
-        return out.loss, out
-
     torch.manual_seed(0)
-    train_against_reference(model, reference, rank, world, result, batches_for, loss_of, steps=steps)
+    train_against_reference(model, reference, rank, world, result, batches_for, counted_loss(model, calls), steps=steps)
     result["stats"] = {k: mixed_media.STATS[k] - before.get(k, 0) for k in mixed_media.STATS}
     return result

@@ -45,8 +45,8 @@ def _summary(findings):
 def run_case(family, patch):
     """``(unpatched, patched)`` result dicts for ``check``'s row of ``family``."""
     from .. import tiny
-    from .audit import divergence
-    from .tiny import moe
+    from ..audit import divergence
+    from ..tiny import moe
 
     def build():
         return tiny.build(family, experts=family in moe.VLM_EXPERT_KEYS)

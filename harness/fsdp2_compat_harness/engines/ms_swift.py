@@ -140,7 +140,7 @@ def swift_case(rank, world, directory, family, patches, media=("image",), late=F
     from fsdp2_compat.fixes import mixed_media
     from fsdp2_compat_harness import subset, tiny
     from fsdp2_compat_harness.scenarios import train_against_reference
-    from fsdp2_compat_harness.tiny.text import count_forwards, one_rank_with_media
+    from fsdp2_compat_harness.tiny.text import count_forwards, counted_loss, one_rank_with_media
     from fsdp2_compat_harness.trl_scenarios import cpu_fsdp, make_accelerator, rank_env
 
     rank_env(rank, world)
@@ -170,15 +170,10 @@ def swift_case(rank, world, directory, family, patches, media=("image",), late=F
             kind = BATCHES_OF.get(family, family)
             return one_rank_with_media(lambda seed: tiny.make_batch(kind, reference, seed=seed, media=media), step, world)
 
-        def loss_of(module, batch):
-            if module is model:
-                calls.append(0)
-            out = module(**batch)
-            return out.loss, None
-
         torch.manual_seed(0)
         try:
-            result = train_against_reference(model, reference, rank, world, result, batches_for, loss_of, steps, lr)
+            result = train_against_reference(model, reference, rank, world, result, batches_for,
+                                             counted_loss(model, calls, keep_output=False), steps, lr)
         finally:
             template.remove_post_encode_hook()
         result["stats"] = {k: mixed_media.STATS[k] - before.get(k, 0) for k in mixed_media.STATS}

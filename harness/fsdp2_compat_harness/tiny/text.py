@@ -56,8 +56,8 @@ def one_rank_with_media(make, step: int, world: int) -> list:
 
 
 def count_forwards(module) -> list:
-    """A list the caller appends ``0`` to before each micro-batch; ``module``'s forwards outside backward (not
-    a checkpoint's recompute) then count into its last entry."""
+    """A list with one entry per micro-batch of the model (``counted_loss`` opens it); ``module``'s forwards
+    outside backward (not a checkpoint's recompute) count into the last entry."""
     import torch
 
     calls = []
@@ -68,3 +68,16 @@ def count_forwards(module) -> list:
 
     module.register_forward_hook(count)
     return calls
+
+
+def counted_loss(model, calls: list, keep_output: bool = True):
+    """``loss_of(module, batch)`` for ``scenarios.train_against_reference``: the model's loss, a new entry of
+    ``calls`` (``count_forwards``) for each micro-batch of ``model`` (not of the reference)."""
+
+    def loss_of(module, batch):
+        if module is model:
+            calls.append(0)
+        out = module(**batch)
+        return out.loss, out if keep_output else None
+
+    return loss_of
