@@ -9,6 +9,9 @@ installed release its outcome depends on::
 ``"{framework}"`` stands for the dist name a test is parametrized with (an
 argument named ``framework``); a test of such a module without that argument
 depends on every wrapping framework.  ``"python"`` is the interpreter's X.Y.
+``"fsdp2-compat-harness"`` is the harness distribution (``harness/``), which
+``.ci/install-set`` installs from the clone into every set but ``bare``: a
+test that needs it and nothing else runs in the first set after ``bare``.
 
 A set runs a test when no earlier set (in ``order()``) pins the same
 releases of everything the test depends on: that earlier set already proved
@@ -44,6 +47,7 @@ TESTS_DIR = os.path.join(ROOT, "tests")
 DURATIONS = os.path.join(HERE, "durations.json")
 INSTALLS = os.path.join(HERE, "installs.json")  # per-set seconds of a build from empty caches (.ci/test writes them)
 BARE = "bare"
+HARNESS = "fsdp2-compat-harness"  # installed from the clone in every set but bare: one "release", the clone's
 FRAMEWORK = "{framework}"
 # The dists an item parametrized with no ``framework`` stands for (fsdp2_compat.integrations.wrapping()).
 WRAPPING_FRAMEWORKS = ("verl", "skyrl", "skyrl-train", "areal", "llamafactory", "lmms-engine")
@@ -95,6 +99,7 @@ def pins(set_name, default_python=None):
     torch = _declared(texts[0], "torch")
     out["torch"] = release(torch.split("==", 1)[1] if torch else DEFAULT_TORCH)
     out["python"] = _declared(texts[0], "python") or python
+    out[HARNESS] = "clone"
     return out
 
 
@@ -196,7 +201,7 @@ def _rows():
 def _skips(set_pins, dists):
     """Whether a group's tests can only skip in a set: it lacks torch they need, or every framework
     they name (the display's guess; the tests themselves decide, by skipping)."""
-    if "torch" in dists and set_pins.get("torch") is None:
+    if ("torch" in dists and set_pins.get("torch") is None) or (HARNESS in dists and set_pins.get(HARNESS) is None):
         return True
     frameworks = [d for d in dists if d in WRAPPING_FRAMEWORKS + ("trl", "axolotl", "ms-swift")]
     return bool(frameworks) and all(set_pins.get(d) is None for d in frameworks)

@@ -77,7 +77,7 @@ def _mesh(device):
 
 
 def _grad_err(model, reference):
-    from fsdp2_compat.tooling.scenarios import full_value, rel_err
+    from fsdp2_compat_harness.scenarios import full_value, rel_err
 
     errs = [rel_err(full_value(p.grad).float(), q.grad.float()) for p, q in zip(model.parameters(),
                                                                                  reference.parameters())
@@ -113,7 +113,7 @@ def _verl_module(name):
 def case_selection(device):
     import copy
 
-    from fsdp2_compat.tooling import tiny
+    from fsdp2_compat_harness import tiny
 
     fsdp_utils = _verl_module("verl.utils.fsdp_utils")
     model = tiny.build("glm4v", tie=False, seed=0).to(device)
@@ -129,9 +129,9 @@ def case_fused(device):
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from fsdp2_compat.tooling import tiny
-    from fsdp2_compat.tooling.scenarios import fused_loss
-    from fsdp2_compat.tooling.verl_batches import add_verl_position_ids
+    from fsdp2_compat_harness import tiny
+    from fsdp2_compat_harness.scenarios import fused_loss
+    from fsdp2_compat_harness.verl_batches import add_verl_position_ids
 
     fsdp_utils = _verl_module("verl.utils.fsdp_utils")
     monkey_patch = _verl_module("verl.models.transformers.monkey_patch")
@@ -157,7 +157,7 @@ def case_liger(device):
     from accelerate.utils import FullyShardedDataParallelPlugin
     from liger_kernel.transformers import apply_liger_kernel_to_qwen2_5_vl
 
-    from fsdp2_compat.tooling import tiny
+    from fsdp2_compat_harness import tiny
 
     apply_liger_kernel_to_qwen2_5_vl(fused_linear_cross_entropy=True, rope=False)
     model = tiny.build("qwen2_5_vl", tie=False, seed=0).to(device)
@@ -205,7 +205,7 @@ def _child(case, patched, device, quick):
     except ImportError as exc:
         result = {"ok": None, "error": "not here: %s" % exc}
     except Exception as exc:  # the unpatched crash, reported
-        from fsdp2_compat.tooling.scenarios import first_line
+        from fsdp2_compat_harness.scenarios import first_line
 
         result = {"ok": False, "error": "%s: %s" % (type(exc).__name__, first_line(exc)[:300])}
     print(json.dumps(result))

@@ -31,8 +31,8 @@ def train(rank, world, family, steps):
 
     from fsdp2_compat import guard
     from fsdp2_compat.guard import agree
-    from fsdp2_compat.tooling import tiny
-    from fsdp2_compat.tooling.audit.plans import plan_modules
+    from fsdp2_compat_harness import tiny
+    from fsdp2_compat_harness.audit.plans import plan_modules
 
     model = tiny.build(family, tie=False, seed=0)
     batch = tiny.make_batch(family, model, seed=1)
@@ -62,7 +62,7 @@ def train(rank, world, family, steps):
 
 
 def measure(family, steps):
-    from fsdp2_compat.tooling.ranks import run_ranks
+    from fsdp2_compat_harness.ranks import run_ranks
 
     ranks = run_ranks(train, 2, family, steps, timeout=600)
     off_s = max(r["off_s"] for r in ranks)

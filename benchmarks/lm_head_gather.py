@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 def main():
     from fsdp2_compat.core import guards
-    from fsdp2_compat.tooling.ranks import run_ranks
+    from fsdp2_compat_harness.ranks import run_ranks
     from support.rank_jobs import lm_head_traffic
 
     verl = guards.installed_version("verl")

@@ -33,7 +33,7 @@ GIB = 1024 ** 3
 
 def measure():
     """``{"before": rank-0 result, "after": rank-0 result}`` of ``release_jobs.lm_head_release``."""
-    from fsdp2_compat.tooling.ranks import run_ranks
+    from fsdp2_compat_harness.ranks import run_ranks
     from support.release_jobs import lm_head_release
 
     return {"before": run_ranks(lm_head_release, 2, False)[0], "after": run_ranks(lm_head_release, 2, True)[0]}

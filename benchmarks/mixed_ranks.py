@@ -42,7 +42,7 @@ def _meta_model(family):
     import torch
     import transformers
 
-    from fsdp2_compat.tooling.tiny.configs import CLASSES
+    from fsdp2_compat_harness.tiny.configs import CLASSES
     from support.real_size import real_size_config
 
     config = real_size_config(family)
@@ -119,14 +119,14 @@ def measure(family):
 
 
 def main():
-    from fsdp2_compat.tooling import tiny
+    from fsdp2_compat_harness import tiny
 
     print("per text-only micro-batch, per rank, %d ranks; forward FLOPs of the vision path" % WORLD)
     print("%-12s %10s %14s %14s %9s %12s %12s" % ("model", "vision", "dummy GFLOP", "image GFLOP", "ratio",
                                                    "AG MiB", "RS MiB"))
     for family, label in FAMILIES.items():
-        if tiny.available(family) is not True:
-            print("%-12s %s" % (label, tiny.available(family)))
+        if tiny.unavailable(family) is not None:
+            print("%-12s %s" % (label, tiny.unavailable(family)))
             continue
         r = measure(family)
         print("%-12s %9.0fM %14.2f %14.1f %8.3f%% %12.0f %12.0f" % (

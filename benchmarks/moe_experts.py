@@ -37,9 +37,9 @@ def _rank(rank, world, steps, tokens):
     import torch.distributed as dist
 
     import fsdp2_compat
-    from fsdp2_compat.tooling import moe_scenarios
-    from fsdp2_compat.tooling.tiny import moe
-    from fsdp2_compat.tooling.tiny.text import text_ids
+    from fsdp2_compat_harness import moe_scenarios
+    from fsdp2_compat_harness.tiny import moe
+    from fsdp2_compat_harness.tiny.text import text_ids
 
     sent = {"bytes": 0}
 
@@ -82,8 +82,8 @@ def _rank(rank, world, steps, tokens):
 
 def main(argv):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from fsdp2_compat.tooling.ranks import run_ranks
-    from fsdp2_compat.tooling.tiny import moe
+    from fsdp2_compat_harness.ranks import run_ranks
+    from fsdp2_compat_harness.tiny import moe
 
     smoke = "--smoke" in argv
     steps, tokens = (1, TOKENS) if smoke else (STEPS, TOKENS)  # fewer tokens could leave an expert unreached

@@ -62,7 +62,7 @@ def measure(family):
     import transformers
 
     from fsdp2_compat.fixes.selection import select_wrap_targets
-    from fsdp2_compat.tooling import tiny
+    from fsdp2_compat_harness import tiny
     from support.real_size import real_size_config
 
     config = real_size_config(family)
@@ -94,7 +94,7 @@ def measure(family):
 
 def main(argv=None):
     from fsdp2_compat import registry
-    from fsdp2_compat.tooling import tiny as tiny_models
+    from fsdp2_compat_harness import tiny as tiny_models
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
@@ -108,9 +108,9 @@ def main(argv=None):
     rows, skipped = [], {}
     for family in args.families or covered:
         # Said, never silently dropped: a family this transformers lacks, or one without real-size numbers.
-        available = tiny_models.available(family)
-        if available is not True or family in MISSING:
-            skipped[family] = MISSING.get(family) or available
+        unavailable = tiny_models.unavailable(family)
+        if unavailable is not None or family in MISSING:
+            skipped[family] = MISSING.get(family) or unavailable
             continue
         row = measure(family)
         row["patch"] = covered.get(family, "")

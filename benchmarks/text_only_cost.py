@@ -50,8 +50,8 @@ def build(family, depth, layers, vocab, device="cpu", dtype=None):
     import torch
     import transformers
 
-    from fsdp2_compat.tooling import tiny
-    from fsdp2_compat.tooling.tiny.configs import CLASSES
+    from fsdp2_compat_harness import tiny
+    from fsdp2_compat_harness.tiny.configs import CLASSES
     from support.real_size import real_size_config
 
     config = real_size_config(family)
@@ -230,11 +230,11 @@ def main():
     parser.add_argument("--ranks", type=int, default=1)
     args = parser.parse_args()
 
-    from fsdp2_compat.tooling import tiny
-    from fsdp2_compat.tooling.ranks import run_ranks
+    from fsdp2_compat_harness import tiny
+    from fsdp2_compat_harness.ranks import run_ranks
 
-    if tiny.available(args.family) is not True:
-        print("%s: %s" % (args.family, tiny.available(args.family)))
+    if tiny.unavailable(args.family):
+        print("%s: %s" % (args.family, tiny.unavailable(args.family)))
         return 0
     import torch
     import transformers

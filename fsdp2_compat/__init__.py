@@ -12,10 +12,13 @@ Importing this package imports neither torch, transformers nor any framework;
 the heavier helpers below load on first attribute access.
 
 Layout: ``core/`` (what start-up loads: config, hooks, records, guards,
-aliases, engine, status), ``registry`` (the catalogue), ``integrations/``
-(one declarative module per upstream framework), ``fixes/`` (the fixes),
-``activation/`` (the implicit ways in: start-up ``.pth``, verl plugin, Ray),
-``tooling/`` (``check``, ``audit`` and the tiny-model harness they run).
+aliases, engine, status), ``registry`` (the catalogue: patches as lists of
+fixes), ``fixes/`` (one ``Fix`` record per mechanism, and its code),
+``integrations/`` (data: where each framework release keeps the code a fix
+goes into), ``guard/`` (collective checks at run time), ``activation/`` (the
+implicit ways in: start-up ``.pth``, verl plugin, Ray), ``cli/`` (``status``,
+``doctor``, ``list``).  ``check`` and ``audit`` live in the harness, a
+distribution of their own (``fsdp2_compat_harness``).
 """
 
 __version__ = "0.1.0"

@@ -1,9 +1,16 @@
-"""The catalogue: every patch users can name, the model types it is for, and its targets.
+"""The catalogue: every patch users can name, the model types it is for, and the fixes it needs.
 
 Read top to bottom, this file is the product's feature list.  Patches are
 named after the model family a user trains, because that is what they know
 when they hit the crash; families that fail for the same reason share the
-same targets, which are applied once.
+same fixes, whose targets are applied once.
+
+A patch lists fixes (``fsdp2_compat.fixes``: one record per mechanism); its
+targets, references and delete conditions are derived here by a join, never
+written by hand: the targets of the integrations (``integrations.targets()``)
+whose fix the patch lists and whose ``families`` include one of its model
+types (or any model), in fix order; the references and delete conditions of
+its fixes, in the same order.
 
 Each patch lists the transformers ``model_type`` values it covers: the one
 map from a model to its patch.  ``fsdp2-compat list`` and ``check``, the
@@ -13,88 +20,56 @@ derived from it (``for_model_type``, ``selection_model_types``).
 Rules that need the whole catalogue live here too (``siblings``).
 """
 
-from .integrations import (accelerate, areal, axolotl, llamafactory, lmms_engine, skyrl, torch_fsdp,
-                           transformers_media, transformers_moe, trl, verl)
+from . import fixes as F
+from . import integrations
 from .core.records import Patch
 
-# LLaMA-Factory 0.9.5's layer-class lookup, which ignores transformers 5.x's set _no_split_modules:
-# no layer class is found, so a VLM's vision blocks stay in the root unit (Qwen3-VL in bf16 then
-# stops at its first image forward).  Carried with the selection, and by the VLM patches without it.
-LF_LAYER_LOOKUP = (llamafactory.LAYER_CLASS_LOOKUP,)
-
-# The corrected FSDP2 wrap selection, in every framework release that has the bug
-# (LLaMA-Factory: with its layer-class lookup).
-SELECTION = (verl.WRAP_SELECTION_INLINE, verl.WRAP_SELECTION, skyrl.SKYRL, skyrl.SKYRL_TRAIN,
-             areal.WRAP_SELECTION, llamafactory.WRAP_SELECTION, lmms_engine.WRAP_SELECTION)
-WRAP_SELECTION = SELECTION + LF_LAYER_LOOKUP
-
-# torch FSDP2's gradient accumulation when a micro-batch leaves a unit unused
-# (a text-only micro-batch of a VLM; an lm_head read with full_tensor()):
-# carried by every multimodal patch.
-GRAD_ACCUMULATION = torch_fsdp.GRAD_ACCUMULATION
-
-_LF_REFS = ("LLaMA-Factory PR #10656 (layer-class lookup, main only)",)
-_SELECTION_REFS = ("SkyRL issue #2087", "SkyRL PR #2088") + _LF_REFS
-_SELECTION_DELETE = (
-    "when every framework release you run selects only layer classes and the untied "
-    "input embedding for their own FSDP2 groups (SkyRL PR #2088 released; verl has no fix yet)"
-)
-
-_LM_HEAD_REFS = ("verl issue #4756", "verl PR #6659")
-_LM_HEAD_DELETE = (
-    "when verl's fused forwards gather lm_head.weight with a data-parallel-averaged "
-    "gradient (not plain full_tensor()) in every release you run"
-)
+_TARGETS = integrations.targets()
 
 
-# Mixed text/image micro-batches across ranks: the transformers forwards that skip the vision tower
-# on a text-only micro-batch, per family (fsdp2_compat.fixes.mixed_media).  Every target, for the tooling:
-# transformers' forwards, and the trainers' own forwards that replace them without a dummy (lmms-engine's)
-MIXED_MEDIA = transformers_media.TARGETS + lmms_engine.MIXED_MEDIA
-_MIXED_REFS = ("TRL issue #3934", "torchtitan issue #4777")
-_MIXED_DELETE = ("when transformers keeps every rank in the vision tower's collectives on text-only micro-batches in "
-                 "every release you run")
-
-# MoE experts one rank's tokens never reach (transformers 4.x keeps experts in a loop that skips them):
-# FSDP2's units that hold them reduce every expert (fsdp2_compat.fixes.experts).  With a bf16 policy and
-# deferred sync the zeros meet accumulated fp32 gradients, so torch's accumulation fix comes with them.
-MOE_EXPERTS = transformers_moe.TARGETS
-_MOE_REFS = ("pytorch issue #171355", "SkyRL issue #1297", "SkyRL PR #1370")
-_MOE_DELETE = "when every transformers you train MoE models with is >= 5.0 (3-D experts: every rank has every gradient)"
-
-_ACCUM_REFS = ("pytorch issue #196996", "pytorch PR #194058", "verl PR #7475", "verl issue #7520")
-_ACCUM_DELETE = "when every torch you run is >= 2.15.0 (FSDP2 accumulation rewritten around grad_dtype)"
-
-# TRL's reads of lm_head.weight outside its forward (fused LM head, distillation): the
-# unaveraged gradient on every untied VLM whose tail unit accelerate leaves without a norm.
-TRL = trl.TARGETS
-_TRL_DELETE = "when TRL reads lm_head.weight through FSDP (not plain full_tensor()) in every release you run"
-
-# axolotl's fused LoRA kernels read a DoRA magnitude with plain full_tensor() (any model axolotl trains with DoRA and
-# its qkv / o / embedding kernels on FSDP2): carried with TRL's reads, by every patch whose families train through
-# accelerate (the trainers axolotl, TRL and the HF Trainer share).  Its delete condition is in its integration module.
-AXOLOTL = axolotl.TARGETS
-
-# accelerate's FSDP2 tail unit (under the HF Trainer, TRL, axolotl): 1.14.0 leaves a tied head in the root unit
-# (every tied model: textlm too), 1.14.0-1.15.0 leave a VLM's head alone without its decoder's norm.
-ACCELERATE_TIED = (accelerate.TIED_TAIL,)
-ACCELERATE = accelerate.TARGETS
-_ACC_REFS = ("accelerate PR #4015", "accelerate PR #4171")
-_ACC_DELETE = ("when every accelerate you run is >= 1.15.0 and its _find_final_norm finds a VLM decoder's norm")
-
-_LF_DELETE = "when LLaMA-Factory's layer-class lookup reads a set _no_split_modules (main: PR #10656) in your release"
+def targets_of(*fixes, model_types=None):
+    """The integrations' targets of ``fixes``, in that order; only those whose ``families`` meet ``model_types``
+    (or that are for any model) when it is given."""
+    wanted = None if model_types is None else set(model_types)
+    return tuple(t for fix in fixes for t in _TARGETS if t.fix is fix
+                 and (wanted is None or t.families is None or wanted.intersection(t.families)))
 
 
-def _selection_patch(name, summary, model_types, extra=(), delete_when=_SELECTION_DELETE, mixed=()):
-    """A multimodal family whose problem is the wrap selection (plus ``extra`` targets, torch's
-    accumulation fix, and its ``mixed`` text/image ranks targets, if the fix knows its tower)."""
-    return Patch(name, summary, model_types, WRAP_SELECTION + tuple(extra) + GRAD_ACCUMULATION + tuple(mixed),
-                 _SELECTION_REFS + _ACCUM_REFS + (_MIXED_REFS if mixed else ()),
-                 delete_when + "; and " + _ACCUM_DELETE + ("; and " + _MIXED_DELETE if mixed else ""))
+def _patch(name, summary, model_types, fixes, note=""):
+    """A catalogue patch: its targets, references and delete conditions joined from ``fixes``."""
+    return Patch(name, summary, model_types, targets_of(*fixes, model_types=model_types),
+                 tuple(dict.fromkeys(ref for fix in fixes for ref in fix.references)),
+                 tuple(dict.fromkeys(fix.delete_when for fix in fixes)), note, fixes)
+
+
+# The corrected FSDP2 wrap selection, with LLaMA-Factory's layer-class lookup (which ignores transformers 5.x's set
+# _no_split_modules, so a VLM's vision blocks stay in the root unit: carried by the VLM patches without it too).
+SELECTION = (F.WRAP_SELECTION, F.LAYER_CLASS_LOOKUP)
+# What the trainers built on accelerate read outside a unit's forward (TRL's fused head and distillation, axolotl's
+# DoRA kernels and KD trainer): carried by every patch whose families train through them.
+TRAINER_READS = (F.TRL_HEAD_READS, F.DORA_MAGNITUDE, F.KD_HEAD)
+# accelerate's FSDP2 tail unit: 1.14.0 leaves a tied head in the root unit (every tied model: textlm too),
+# 1.14.0-1.15.0 leave a VLM's head alone without its decoder's norm.
+ACCELERATE = (F.ACCELERATE_TIED_TAIL, F.ACCELERATE_VLM_NORM)
+# What every multimodal patch carries: torch's accumulation over micro-batches that leave a unit unused, and the
+# family's media tower kept in every rank's collectives.
+MULTIMODAL = (F.GRAD_ACCUMULATION, F.MIXED_MEDIA)
+
+# Target groups the harness and the tests read (each a join, as the patches' own).
+WRAP_SELECTION = targets_of(*SELECTION)
+LF_LAYER_LOOKUP = targets_of(F.LAYER_CLASS_LOOKUP)
+GRAD_ACCUMULATION = targets_of(F.GRAD_ACCUMULATION)
+MIXED_MEDIA = targets_of(F.MIXED_MEDIA)
+
+
+def _selection_patch(name, summary, model_types, extra=()):
+    """A multimodal family whose problem is the wrap selection (plus ``extra`` fixes, torch's accumulation fix,
+    and its media tower kept in every rank's collectives)."""
+    return _patch(name, summary, model_types, SELECTION + tuple(extra) + MULTIMODAL)
 
 
 PATCHES = (
-    Patch(
+    _patch(
         name="glm4v",
         summary="`aten.grid_sampler_2d.default got mixed torch.Tensor and DTensor` at the first forward (the "
         "vision `position_embedding` is read raw); with verl's `use_fused_kernels`, also its sharded `lm_head.weight` read; "
@@ -103,57 +78,40 @@ PATCHES = (
         model_types={"glm4v": "GLM-4.1V", "glm4v_moe": "GLM-4.5V", "glm46v": "GLM-4.6V"},
         # verl serves GLM-4.5V / GLM-4.6V (glm4v_moe) through dense_common's fused forward.
         # verl's own GLM-4.1V forward runs on the transformers verl admits only with GLM4V_FORWARD.
-        targets=(WRAP_SELECTION + verl.GLM4V_FORWARD + verl.GLM4V_FUSED + verl.DENSE_FUSED + TRL + AXOLOTL + ACCELERATE
-                 + GRAD_ACCUMULATION + transformers_media.GLM4V + transformers_moe.GLM4V_MOE),
-        references=_SELECTION_REFS + _LM_HEAD_REFS + _ACC_REFS + _ACCUM_REFS + _MIXED_REFS + _MOE_REFS,
-        delete_when=(_SELECTION_DELETE + "; and " + _LM_HEAD_DELETE + "; and " + _TRL_DELETE + "; and " + _ACC_DELETE
-                     + "; and " + _ACCUM_DELETE + "; and " + _MIXED_DELETE + "; and, for GLM-4.5V, " + _MOE_DELETE),
+        fixes=SELECTION + (F.GLM4V_FORWARD, F.VERL_LM_HEAD) + TRAINER_READS + ACCELERATE + MULTIMODAL
+        + (F.MOE_EXPERTS,),
     ),
-    Patch(
+    _patch(
         name="qwen3vl",
         summary="verl fused kernels: `aten.mm.default` mixed Tensor/DTensor (0.7.1-0.8.0); silently **unaveraged "
         "`lm_head` gradient** from plain `full_tensor()` (0.9.x), and with a bf16 policy a dtype-mismatch crash",
         model_types={"qwen3_vl": "Qwen3-VL", "qwen3_vl_moe": "Qwen3-VL-MoE"},
-        targets=(verl.QWEN3_VL_FUSED + TRL + AXOLOTL + ACCELERATE + LF_LAYER_LOOKUP + GRAD_ACCUMULATION
-                 + transformers_media.QWEN3_VL + verl.QWEN3_VL_FORWARD
-                 + (lmms_engine.QWEN3_VL_OPS, lmms_engine.QWEN3_VL_MOE_OPS)),
-        references=_LM_HEAD_REFS + _ACC_REFS + _LF_REFS + _ACCUM_REFS + _MIXED_REFS,
-        delete_when=(_LM_HEAD_DELETE + "; and " + _TRL_DELETE + "; and " + _ACC_DELETE + "; and " + _LF_DELETE + "; and "
-                     + _ACCUM_DELETE + "; and " + _MIXED_DELETE),
+        # the media tower: transformers' forwards, lmms-engine's own (use_rmpad), verl's own (images and videos)
+        fixes=(F.VERL_LM_HEAD,) + TRAINER_READS + ACCELERATE + (F.LAYER_CLASS_LOOKUP,) + MULTIMODAL + (F.VERL_MEDIA,),
     ),
-    Patch(
+    _patch(
         name="qwen2vl",
         summary="verl fused kernels: `aten.mm.default` mixed Tensor/DTensor (the sharded `lm_head.weight` is read "
         "raw)",
         model_types={"qwen2_vl": "Qwen2-VL", "qwen2_5_vl": "Qwen2.5-VL"},
-        targets=(verl.QWEN2_VL_FUSED + TRL + AXOLOTL + ACCELERATE + LF_LAYER_LOOKUP + GRAD_ACCUMULATION
-                 + transformers_media.QWEN2_VL + verl.QWEN2_VL_FORWARD + (lmms_engine.QWEN2_5_VL_OPS,)),
-        references=_LM_HEAD_REFS + _ACC_REFS + _LF_REFS + _ACCUM_REFS + _MIXED_REFS,
-        delete_when=(_LM_HEAD_DELETE + "; and " + _TRL_DELETE + "; and " + _ACC_DELETE + "; and " + _LF_DELETE + "; and "
-                     + _ACCUM_DELETE + "; and " + _MIXED_DELETE),
+        fixes=(F.VERL_LM_HEAD,) + TRAINER_READS + ACCELERATE + (F.LAYER_CLASS_LOOKUP,) + MULTIMODAL + (F.VERL_MEDIA,),
     ),
-    Patch(
+    _patch(
         name="qwen35",
         summary="verl fused kernels: unaveraged `lm_head` gradient (plain `full_tensor()`)",
         model_types={"qwen3_5": "Qwen3.5", "qwen3_5_moe": "Qwen3.5-MoE"},
-        targets=(verl.QWEN3_5_FUSED + TRL + AXOLOTL + ACCELERATE + LF_LAYER_LOOKUP + GRAD_ACCUMULATION
-                 + transformers_media.QWEN3_5),
-        references=_LM_HEAD_REFS + _ACC_REFS + _LF_REFS + _ACCUM_REFS + _MIXED_REFS,
-        delete_when=(_LM_HEAD_DELETE + "; and " + _TRL_DELETE + "; and " + _ACC_DELETE + "; and " + _LF_DELETE + "; and "
-                     + _ACCUM_DELETE + "; and " + _MIXED_DELETE),
+        fixes=(F.VERL_LM_HEAD,) + TRAINER_READS + ACCELERATE + (F.LAYER_CLASS_LOOKUP,) + MULTIMODAL,
     ),
-    Patch(
+    _patch(
         name="textlm",
         summary="verl fused kernels: `aten.mm.default` mixed Tensor/DTensor (the sharded `lm_head.weight` is read raw)",
         model_types={"qwen2": "Qwen2 / Qwen2.5", "qwen3": "Qwen3", "llama": "Llama"},
         note="and any other text-only causal LM verl serves through its dense_common fused forward; TRL's "
         "lm_head reads are gathered too (text models are already right under accelerate, whose tail unit holds "
         "the final norm)",
-        targets=verl.DENSE_FUSED + TRL + AXOLOTL + ACCELERATE_TIED,
-        references=_LM_HEAD_REFS + _ACC_REFS,
-        delete_when=_LM_HEAD_DELETE + "; and " + _TRL_DELETE + "; and when every accelerate you run is >= 1.15.0",
+        fixes=(F.VERL_LM_HEAD,) + TRAINER_READS + (F.ACCELERATE_TIED_TAIL,),
     ),
-    Patch(
+    _patch(
         name="moe",
         summary="transformers 4.x: a MoE expert one rank's tokens never reach has no gradient there, so the ranks' "
         "reduce-scatters differ in size inside its FSDP2 unit (gloo `Received data size doesn't match expected "
@@ -163,55 +121,44 @@ PATCHES = (
         note="the text MoE families; GLM-4.5V's experts come with the glm4v patch, and Qwen3-VL-MoE and "
         "Qwen3.5-MoE keep 3-D experts in every release (nothing to fix). Also carries textlm's targets (verl's fused "
         "text forward, TRL's reads, accelerate 1.14.0's tied tail)",
-        targets=transformers_moe.TEXT + GRAD_ACCUMULATION + verl.DENSE_FUSED + TRL + AXOLOTL + ACCELERATE_TIED,
-        references=_MOE_REFS + _ACCUM_REFS + _LM_HEAD_REFS + _ACC_REFS,
-        delete_when=(_MOE_DELETE + "; and " + _ACCUM_DELETE + "; and " + _LM_HEAD_DELETE + "; and " + _TRL_DELETE
-                     + "; and when every accelerate you run is >= 1.15.0"),
+        fixes=(F.MOE_EXPERTS, F.GRAD_ACCUMULATION, F.VERL_LM_HEAD) + TRAINER_READS + (F.ACCELERATE_TIED_TAIL,),
     ),
     _selection_patch(
         "lfm2vl",
         "wrap-time `RuntimeError: Cannot concatenate overlapping meshes` (transformers 5.x), or a mixed "
         "Tensor/DTensor read of the SigLIP2 `position_embedding` (untied checkpoints)",
         {"lfm2_vl": "LFM2-VL"},
-        TRL + AXOLOTL + ACCELERATE,
-        _SELECTION_DELETE + "; and " + _TRL_DELETE + "; and " + _ACC_DELETE,
-        mixed=transformers_media.LFM2_VL,
+        TRAINER_READS + ACCELERATE,
     ),
     _selection_patch(
         "qwen2audio",
         "wrap-time overlapping-mesh error (nested layer classes), then an `aten.add.Tensor` mixed read of "
         "`embed_positions.weight`",
         {"qwen2_audio": "Qwen2-Audio"},
-        mixed=transformers_media.QWEN2_AUDIO,
     ),
     _selection_patch(
         "voxtral",
         "`aten.add.Tensor got mixed torch.Tensor and DTensor` (audio `embed_positions` read raw)",
         {"voxtral": "Voxtral"},
-        mixed=transformers_media.VOXTRAL,
     ),
     _selection_patch(
         "audioflamingo3",
         "as Qwen2-Audio: wrap-time overlapping-mesh error, then an `aten.add.Tensor` mixed read",
         {"audioflamingo3": "AudioFlamingo3"},
-        mixed=transformers_media.AUDIOFLAMINGO3,
     ),
     _selection_patch(
         "paddleocrvl",
         "`aten.add.Tensor got mixed torch.Tensor and DTensor` (vision `position_embedding` read raw; transformers "
         "< 5.15, from 5.15.0 it is called as a module)",
         {"paddleocr_vl": "PaddleOCR-VL"},
-        TRL + AXOLOTL + ACCELERATE,
-        _SELECTION_DELETE + "; and " + _TRL_DELETE + "; and " + _ACC_DELETE,
-        mixed=transformers_media.PADDLEOCR_VL,
+        TRAINER_READS + ACCELERATE,
     ),
-    # Families new in transformers 5.1x (tiny models: fsdp2_compat/tooling/tiny/recent.py).
+    # Families new in transformers 5.1x.
     _selection_patch(
         "hunyuanvl",
         "`aten.add.Tensor got mixed torch.Tensor and DTensor` (untied checkpoints: the vision "
         "`position_embedding.weight` is sliced raw in `interpolate_pos_encoding`)",
         {"hunyuan_vl": "HunYuan-VL / HunyuanOCR"},
-        mixed=transformers_media.HUNYUAN_VL,
     ),
     _selection_patch(
         "step3p7",
@@ -219,7 +166,6 @@ PATCHES = (
         "`position_embedding.weight`); SkyRL cannot take its config at all (it reads a top-level "
         "`tie_word_embeddings` the config class lacks: `AttributeError`, patched or not)",
         {"step3p7": "Step-3.7"},
-        mixed=transformers_media.STEP3P7,
     ),
     _selection_patch(
         "glmimage",
@@ -227,39 +173,40 @@ PATCHES = (
         "and, on one rank, `aten.grid_sampler_2d.default got mixed torch.Tensor and DTensor` (GLM4V-style "
         "`position_embedding`)",
         {"glm_image": "GLM-Image"},
-        mixed=transformers_media.GLM_IMAGE,
     ),
     _selection_patch(
         "cosmos3",
         "`aten.add.Tensor got mixed torch.Tensor and DTensor` (SigLIP2-style vision `position_embedding` read raw)",
         {"cosmos3_edge": "Cosmos-3 Edge"},
-        mixed=transformers_media.COSMOS3_EDGE,
     ),
     _selection_patch(
         "deepseekocr2",
         "`aten.cat.default got mixed torch.Tensor and DTensor` (the vision encoder's query tables are read raw)",
         {"deepseek_ocr2": "DeepSeek-OCR-2"},
-        mixed=transformers_media.DEEPSEEK_OCR2,
     ),
     _selection_patch(
         "chameleon",
         "wrap-time `RuntimeError: Cannot concatenate overlapping meshes` (transformers 5.x: the VQ codebook "
         "inside a layer class); on 4.57 `aten.add.Tensor got mixed torch.Tensor and DTensor` (the codebook read raw)",
         {"chameleon": "Chameleon"},
-        mixed=transformers_media.CHAMELEON,
     ),
 )
 
 _BY_NAME = {p.name: p for p in PATCHES}
 
 
+def symptom(target):
+    """What a user sees without ``target``: its own (where its code path differs from its fix's), else its fix's."""
+    return target.symptom or (target.fix.symptom if target.fix is not None else None)
+
+
 def symptoms(p):
-    """What ``p`` fixes, each symptom once: the family's own summary, then the symptoms its shared
-    targets own (TRL's reads, LLaMA-Factory's lookup, torch's accumulation), in target order."""
+    """What ``p`` fixes, each symptom once: the family's own summary, then the symptoms its fixes own
+    (TRL's reads, LLaMA-Factory's lookup, torch's accumulation), in target order."""
     out = [p.summary]
     for t in p.targets:
-        if t.symptom and t.symptom not in out:
-            out.append(t.symptom)
+        if symptom(t) and symptom(t) not in out:
+            out.append(symptom(t))
     return out
 
 
@@ -272,7 +219,7 @@ def patch(name):
 
 
 def register(p):
-    """Add ``p`` to the catalogue for this process (tooling and tests: a transient patch, e.g.
+    """Add ``p`` to the catalogue for this process (the harness and tests: a transient patch, e.g.
     an exact subset of targets); returns it.  ``ValueError`` if the name is taken."""
     global PATCHES
     if p.name in _BY_NAME:
@@ -342,8 +289,7 @@ def for_model_type(model_type):
 
 def fixes_selection(p):
     """True when patch ``p`` carries the corrected wrap selection (the lookup alone is not one)."""
-    keys = {t.key for t in SELECTION}
-    return any(t.key in keys for t in p.targets)
+    return any(t.fix is F.WRAP_SELECTION for t in p.targets)
 
 
 def selection_model_types():

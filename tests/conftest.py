@@ -86,22 +86,22 @@ def _no_leftover_patches():
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "depends_on(*dists): this test's DEPENDS_ON, overriding its module's")
-    config.addinivalue_line("markers", "wrappable(family): skip unless tiny.wrappable(family) (decided at setup)")
+    config.addinivalue_line("markers", "wrappable(family): skip unless tiny.unwrappable(family) is None (decided at setup)")
     _share_rank_server(config)
 
 
 def _share_rank_server(config):
     """Under xdist, pytest's controller starts the rank server every worker (and every child they start for
     ``fsdp2-compat check``) forks its ranks from: one preload per run instead of one per process
-    (``fsdp2_compat.tooling.rank_server``).  It is started here, before the workers exist, so that they inherit
+    (``fsdp2_compat_harness.rank_server``).  It is started here, before the workers exist, so that they inherit
     its address; it preloads in the background while they collect."""
     import importlib.util
 
     if hasattr(config, "workerinput") or not config.getoption("numprocesses", None):
         return
-    if importlib.util.find_spec("torch") is None:
-        return  # no rank runs here (the bare set)
-    from fsdp2_compat.tooling import rank_server
+    if importlib.util.find_spec("torch") is None or importlib.util.find_spec("fsdp2_compat_harness") is None:
+        return  # no rank runs here (the bare set: no torch, no harness)
+    from fsdp2_compat_harness import rank_server
 
     rank_server.share()
 
@@ -175,10 +175,10 @@ def pytest_runtest_setup(item):
     if wrappable is not None:
         # At setup, not at collection: building every family to decide costs seconds in each worker of each set,
         # and most sets deselect the test anyway (the matrix).
-        from fsdp2_compat.tooling import tiny
+        from fsdp2_compat_harness import tiny
 
-        reason = tiny.wrappable(wrappable.args[0])
-        if reason is not True:
+        reason = tiny.unwrappable(wrappable.args[0])
+        if reason is not None:
             pytest.skip(str(reason))
     if (getattr(item.config.option, "loadgroup", False) and item.get_closest_marker("xdist_group")
             and "@" not in item.nodeid):

@@ -25,6 +25,13 @@ patches hundreds of times.  So:
 
 import sys
 import types
+from collections import namedtuple
+
+# One object to rebind: every global bound to ``original`` (but the ``(module name, attr)`` pairs of ``skip``)
+# is pointed at ``replacement``.
+Request = namedtuple("Request", "original replacement skip")
+# One global rebound: ``namespace[key]`` of the module named ``module``.
+Change = namedtuple("Change", "namespace module key")
 
 # Top-level packages below every framework fsdp2-compat patches (verl, SkyRL, TRL, accelerate, AReaL,
 # LLaMA-Factory, transformers): they never import one, so their globals cannot alias its functions.  The
@@ -49,15 +56,16 @@ BELOW = frozenset(sys.stdlib_module_names) | frozenset((
 def rebind_all(requests):
     """``rebind`` for several objects in one scan of ``sys.modules``.
 
-    ``requests``: ``[(original, replacement, skip), ...]``.  Returns one list of
-    changes per request, in order (each as ``rebind`` returns it).  The scan
+    ``requests``: ``[Request(original, replacement, skip), ...]`` (plain triples are read the same way).
+    Returns one list of ``Change`` per request, in order (each as ``rebind`` returns it).  The scan
     finds every alias before it changes one: if it raises, nothing changed.
     """
+    requests = [Request(*r) for r in requests]
     wanted = {}  # id(original) -> indexes of its requests (the originals are alive: ids are stable)
-    for index, (original, _, _) in enumerate(requests):
-        wanted.setdefault(id(original), []).append(index)
+    for index, request in enumerate(requests):
+        wanted.setdefault(id(request.original), []).append(index)
     ids = set(wanted)
-    own = {(getattr(original, "__module__", None) or "").partition(".")[0] for original, _, _ in requests}
+    own = {(getattr(r.original, "__module__", None) or "").partition(".")[0] for r in requests}
     below = BELOW - own
     found = []  # (request index, namespace, module name, key)
     for name, module in list(sys.modules.items()) if ids else ():
@@ -73,13 +81,13 @@ def rebind_all(requests):
         for key, value in hits:
             # the first request for this object that does not skip the name, as separate rebinds in order would
             index = next((i for i in wanted[id(value)]
-                          if value is requests[i][0] and (name, key) not in requests[i][2]), None)
+                          if value is requests[i].original and (name, key) not in requests[i].skip), None)
             if index is not None:
                 found.append((index, namespace, name, key))
     changes = [[] for _ in requests]
     for index, namespace, name, key in found:
-        namespace[key] = requests[index][1]
-        changes[index].append((namespace, name, key))
+        namespace[key] = requests[index].replacement
+        changes[index].append(Change(namespace, name, key))
     return changes
 
 
@@ -87,17 +95,17 @@ def rebind(original, replacement, skip=()):
     """Point every global name bound to ``original`` at ``replacement``.
 
     ``skip`` holds ``(module_name, attr)`` pairs left alone (the seam itself).
-    Returns the list of ``(module_dict, module_name, attr)`` that changed.
+    Returns the list of ``Change(module_dict, module_name, attr)`` that changed.
     """
-    return rebind_all([(original, replacement, skip)])[0]
+    return rebind_all([Request(original, replacement, skip)])[0]
 
 
 def restore(changed, original, replacement):
     """Undo ``rebind``; names rebound since by someone else are left alone."""
     kept = []
-    for namespace, name, key in changed:
-        if namespace.get(key) is replacement:
-            namespace[key] = original
+    for change in changed:
+        if change.namespace.get(change.key) is replacement:
+            change.namespace[change.key] = original
         else:
-            kept.append("%s.%s" % (name, key))
+            kept.append("%s.%s" % (change.module, change.key))
     return kept

@@ -14,6 +14,7 @@ Stdlib only.
 """
 
 from . import guards
+from .outcomes import Classified
 
 
 def _source(dist, module):
@@ -36,19 +37,20 @@ def _source(dist, module):
 
 
 def verdict(dist, path):
-    """``(outcome, detail)`` of one ``Covered`` path in the installed ``dist``."""
+    """``Classified(kind, why)`` of one ``Covered`` path in the installed ``dist``: ``"absent"``, ``"unverified"``,
+    ``"proven"`` or ``"proven broken"``."""
     text = _source(dist, path.module)
     if text is None:
-        return "absent", "no %s in this release" % path.module
+        return Classified("absent", "no %s in this release" % path.module)
     try:
         fp = guards.fingerprint_source(text, path.attr)
     except LookupError as exc:
-        return "absent", str(exc)
+        return Classified("absent", str(exc))
     label = next((label for label, known in path.fingerprints.items() if known == fp), None)
     if label is None:
-        return "unverified", "code differs from the proven release(s) %s (fingerprint %s): not run here" % (
-            ", ".join(path.fingerprints), fp)
-    return ("proven" if path.fixed else "proven broken"), "code of %s: %s" % (label, path.by)
+        return Classified("unverified", "code differs from the proven release(s) %s (fingerprint %s): not run here"
+                          % (", ".join(path.fingerprints), fp))
+    return Classified("proven" if path.fixed else "proven broken", "code of %s: %s" % (label, path.by))
 
 
 def rows(integrations):

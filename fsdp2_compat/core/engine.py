@@ -23,8 +23,10 @@ This module is imported by ``fsdp2_compat.auto``: stdlib only at top level.
 
 import sys
 import _thread
+from collections import namedtuple
 
-from . import calls, config, hooks
+from . import calls, config, hooks, swaps
+from .swaps import is_ours  # noqa: F401  (re-exported: engine.is_ours)
 from .calls import lookup  # noqa: F401  (re-exported: engine.lookup)
 
 from .outcomes import (  # noqa: F401  (re-exported: callers say engine.APPLIED)
@@ -47,16 +49,14 @@ from .outcomes import (  # noqa: F401  (re-exported: callers say engine.APPLIED)
 )
 
 
-class _Applied:
-    """Everything a successful apply changed, so revert can undo it."""
-
-    __slots__ = ("module", "swaps", "aliases", "instances")
-
-    def __init__(self, module):
-        self.module = module
-        self.swaps = []  # (attr, original, replacement)
-        self.aliases = []  # (original, replacement, [(namespace, module name, key)])
-        self.instances = []  # objects that held the original bound to themselves (``instances.rebind``)
+# The records a batch passes on (``collections``: already loaded at interpreter start-up).
+# A rebind waiting for the scan that ends the current ``_Batch``: ``key`` is the target whose apply waits for it
+# (undone if the scan fails), None for a revert's.
+_Rebind = namedtuple("_Rebind", "original replacement skip changed key")
+# A target settled inside a ``_Batch``, announced after its scan.
+_Settled = namedtuple("_Settled", "state outcome patches level")
+# One row of ``outcomes()``: the patch that requested the target, and what happened to it.
+PatchOutcome = namedtuple("PatchOutcome", "patch outcome")
 
 
 class _TargetState:
@@ -77,7 +77,6 @@ _lock = _thread.RLock()
 _batch = _thread._local()
 _states = {}  # target key -> _TargetState
 _requested = {}  # patch name -> strict level (config.STRICT_*)
-_replacements = {}  # id(replacement) -> target key, for "is this ours?"
 
 
 def _log():
@@ -92,15 +91,10 @@ def _registry():
     return registry
 
 
-def is_ours(obj):
-    """True when ``obj`` is a replacement installed by fsdp2-compat and not reverted."""
-    return id(obj) in _replacements
-
-
 def active_targets():
     """Keys of the targets whose replacements are installed right now."""
     with _lock:
-        return sorted(set(_replacements.values()))
+        return swaps.active_targets()
 
 
 def displaced(target):
@@ -111,20 +105,11 @@ def displaced(target):
         applied = state.applied if state is not None else None
         if applied is None:
             return None
-        for attr, _old, new in applied.swaps:
-            if attr == target.attr:
-                current = lookup(applied.module, attr)
-                return None if current is new else current
+        for swap in applied.swaps:
+            if swap.attr == target.attr:
+                current = lookup(applied.module, swap.attr)
+                return None if current is swap.replacement else current
     return None
-
-
-# -- where an attribute lives: ``calls.lookup`` (the seams read it too) ----------
-# Writes use ``setattr`` (a class ``__dict__`` is read-only).
-
-
-def _store(module, attr, value):
-    owner, name = calls.owner_of(module, attr)
-    setattr(owner, name, value)
 
 
 def resolve_names(names):
@@ -193,9 +178,9 @@ class _Batch:
         if queue:  # (aliases is not imported otherwise: ``import fsdp2_compat.auto`` applies nothing to rebind)
             _scan(queue)
         strict_error = None
-        for state, outcome, patches, level in settled:
+        for done in settled:
             try:  # the state's outcome now: FAILED if the scan failed
-                _announce(state, state.outcome or outcome, patches, level)
+                _announce(done.state, done.state.outcome or done.outcome, done.patches, done.level)
             except Fsdp2CompatError as error:
                 strict_error = strict_error or error
         if strict_error is not None and exc is None:
@@ -203,18 +188,26 @@ class _Batch:
         return False
 
 
+def _requests(queue):
+    from . import aliases
+
+    return [aliases.Request(q.original, q.replacement, q.skip) for q in queue]
+
+
 def _scan(queue):
-    """One ``aliases.rebind_all`` for a batch's queue; if it fails, undo every target that waited for it."""
+    """One ``aliases.rebind_all`` for a batch's queue (``[_Rebind]``); if it fails, undo every target that
+    waited for it."""
     from . import aliases
 
     with _lock:
         try:
-            for (_, _, _, changed, _), found in zip(queue, aliases.rebind_all([q[:3] for q in queue])):
-                changed.extend(found)
+            for rebind, found in zip(queue, aliases.rebind_all(_requests(queue))):
+                rebind.changed.extend(found)
         except Exception as error:  # nothing was rebound: undo the targets that waited for it
             _batch.queue = []  # their undo's own rebinds, tried once below
             try:
-                for *_, key in queue:
+                for rebind in queue:
+                    key = rebind.key
                     state = _states.get(key)
                     if key is None or state is None or state.applied is None:
                         continue
@@ -225,10 +218,10 @@ def _scan(queue):
             finally:
                 backs, _batch.queue = _batch.queue, None
             try:  # (the scan failed a moment ago; the seams' own globals are restored either way)
-                aliases.rebind_all([q[:3] for q in backs])
+                aliases.rebind_all(_requests(backs))
             except Exception:
                 pass
-            if any(key is None for *_, key in queue):  # a revert's rebinds: revert() raises, as it did
+            if any(rebind.key is None for rebind in queue):  # a revert's rebinds: revert() raises, as it did
                 raise
 
 
@@ -237,10 +230,10 @@ def _rebind(old, new, skip, changed, key=None):
     (``key``: the target whose apply waits for it, undone if that scan fails; None for a revert's)."""
     queue = getattr(_batch, "queue", None)
     if queue is not None:
-        return queue.append((old, new, skip, changed, key))
+        return queue.append(_Rebind(old, new, skip, changed, key))
     from . import aliases
 
-    changed.extend(aliases.rebind_all([(old, new, skip)])[0])
+    changed.extend(aliases.rebind_all([aliases.Request(old, new, skip)])[0])
 
 
 def _make_hook(state):
@@ -259,7 +252,7 @@ def _make_hook(state):
         if settled is None:
             _announce(state, outcome, patches, level)
         else:  # after the batch's alias scan
-            settled.append((state, outcome, patches, level))
+            settled.append(_Settled(state, outcome, patches, level))
 
     return on_import
 
@@ -267,12 +260,12 @@ def _make_hook(state):
 def _announce(state, outcome, patches, level):
     """Log a settled target (its detail completed with the aliases rebound); in strict mode raise a problem."""
     if outcome.kind == APPLIED and state.applied is not None and outcome is state.outcome:
-        rebound = sorted({name for _, _, changed in state.applied.aliases for _, name, _ in changed})
+        rebound = sorted({change.module for group in state.applied.aliases for change in group.changed})
         if rebound:
             outcome.detail += "; rebound aliases in " + ", ".join(rebound)
         if state.applied.instances:  # objects built before the request kept calling upstream's method
             outcome.detail += "; rebound objects that held the original: " + ", ".join(
-                label for _, label, _, _, _ in state.applied.instances)
+                rebound.label for rebound in state.applied.instances)
     _log_outcome(outcome, patches)
     if level is not None and outcome.kind in PROBLEMS:
         raise Fsdp2CompatError(
@@ -309,7 +302,7 @@ def _settle(state, module, strict=None):
     except Exception as exc:  # a broken patch must not break the user's import
         return Outcome(target, FAILED, found, "%s: %s" % (type(exc).__name__, exc))
     state.applied = applied
-    detail = "replaced %s.%s" % (target.module, ", ".join(a for a, _, _ in applied.swaps))  # + aliases: _announce
+    detail = "replaced %s.%s" % (target.module, ", ".join(swap.attr for swap in applied.swaps))  # + aliases: _announce
     if verdict.detail:
         detail = verdict.detail + "; " + detail
     return Outcome(target, APPLIED, found, detail, proven=verdict.proven)
@@ -332,44 +325,12 @@ def _siblings(state):
     return _registry().siblings(state.target, state.patches)
 
 
-def _resolve(dotted):
-    module_name, _, func = dotted.partition(":")
-    __import__(module_name)
-    return getattr(sys.modules[module_name], func)
-
-
 def _swap(target, module, late=False):
-    """Install every replacement of one seam, all or nothing (``late``: also in objects that hold the original
-    bound to themselves, ``instances``)."""
-    replacements = _resolve(target.seam)(module, target.attr)
-    if target.attr not in replacements:
-        raise TypeError("seam %s did not replace %s" % (target.seam, target.attr))
-    applied = _Applied(module)
+    """``swaps.install``, all or nothing, its alias rebinds in the current batch's scan."""
+    applied = swaps.Applied(module)
     try:
-        for attr, new in replacements.items():
-            old = lookup(module, attr)
-            if old is None:
-                raise TypeError("seam %s replaced %s, which %s does not define" % (target.seam, attr, target.module))
-            _store(module, attr, new)
-            applied.swaps.append((attr, old, new))
-            _replacements[id(new)] = target.key
-        # Only the target's own name is looked up by callers under aliases, and
-        # only a module global can be imported by name; helper globals a seam
-        # swaps (e.g. ``fully_shard``) are private to the module and are the
-        # same object as torch's everywhere else.
-        for attr, old, new in applied.swaps:
-            if attr == target.attr and "." not in attr:
-                changed = []
-                applied.aliases.append((old, new, changed))
-                _rebind(old, new, {(module.__name__, attr)}, changed, target.key)
-                if late and target.assigned_to:  # classes a trainer gave the function to before the request
-                    from . import instances
-
-                    applied.instances = instances.rebind_assigned(target.assigned_to, old, new)
-            elif attr == target.attr and late:
-                from . import instances
-
-                applied.instances = instances.rebind(calls.owner_of(module, attr)[0], old, new)
+        swaps.install(applied, target, late,
+                      lambda old, new, skip, changed: _rebind(old, new, skip, changed, target.key))
     except BaseException:
         _undo(applied)
         raise
@@ -377,32 +338,11 @@ def _swap(target, module, late=False):
 
 
 def _undo(applied):
-    """Restore originals by identity. Returns names we could not restore."""
-    from . import aliases
-
-    kept = []
-    mine = {id(changed) for _, _, changed in applied.aliases}  # its rebinds still waiting for a batch's scan
-    if getattr(_batch, "queue", None):  # never run them
-        _batch.queue[:] = [q for q in _batch.queue if id(q[3]) not in mine]
-    for attr, old, new in reversed(applied.swaps):
-        if lookup(applied.module, attr) is new:
-            _store(applied.module, attr, old)
-        else:
-            kept.append("%s.%s" % (applied.module.__name__, attr))
-        _replacements.pop(id(new), None)
-    for old, new, changed in reversed(applied.aliases):
-        kept += aliases.restore(changed, old, new)
-        # Modules imported while the patch was on copied the replacement
-        # (``from fsdp_utils import apply_fsdp2``): give them the original too.
-        _rebind(new, old, (), [])
-    if applied.instances:
-        from . import instances
-
-        kept += instances.restore(applied.instances)
-    applied.aliases.clear()
-    applied.swaps.clear()
-    applied.instances = []
-    return kept
+    """``swaps.undo``; the target's rebinds still waiting for a batch's scan never run."""
+    mine = {id(group.changed) for group in applied.aliases}
+    if getattr(_batch, "queue", None):
+        _batch.queue[:] = [q for q in _batch.queue if id(q.changed) not in mine]
+    return swaps.undo(applied, lambda old, new: _rebind(old, new, (), []))
 
 
 def revert(names=None):
@@ -464,7 +404,7 @@ def requested():
 
 
 def outcomes(names=None):
-    """``[(patch name, Outcome)]`` for every target of ``names`` (default: all)."""
+    """``[PatchOutcome(patch name, Outcome)]`` for every target of ``names`` (default: all)."""
     registry = _registry()
     rows = []
     with _lock:
@@ -472,15 +412,15 @@ def outcomes(names=None):
             for target in registry.patch(name).targets:
                 state = _states.get(target.key)
                 if state is not None and name in state.patches and state.outcome is not None:
-                    rows.append((name, state.outcome))
+                    rows.append(PatchOutcome(name, state.outcome))
                 else:
-                    rows.append((name, Outcome(target, NOT_REQUESTED)))
+                    rows.append(PatchOutcome(name, Outcome(target, NOT_REQUESTED)))
     return rows
 
 
 def is_applied(name):
     """True when every target of ``name`` that met its module is applied."""
-    rows = [o for n, o in outcomes([name])]
+    rows = [row.outcome for row in outcomes([name])]
     return any(o.kind == APPLIED for o in rows) and not any(o.kind in PROBLEMS for o in rows)
 
 

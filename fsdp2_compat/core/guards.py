@@ -90,7 +90,7 @@ def fingerprint(obj):
     if _is_proxy(obj):
         raise LookupError("it is wrapped by %s, not the released function" % type(obj).__name__)
     # One hash per compiled function: the code that runs cannot change under the same code object, and a
-    # rank forked from a server that fingerprinted its targets (tooling._preload) reads no file again.
+    # rank forked from a server that fingerprinted its targets (the harness's _preload) reads no file again.
     try:
         code = getattr(inspect.unwrap(obj), "__code__", None) if inspect.isfunction(obj) or inspect.ismethod(obj) else None
     except ValueError:  # a __wrapped__ cycle: getsource below says so

@@ -22,6 +22,11 @@ process), on a late apply only.  Stdlib only.
 
 import gc
 import types
+from collections import namedtuple
+
+# One attribute pointed at the replacement: ``namespace[key]`` held ``old`` and now holds ``new``; ``label`` names it
+# for ``status`` (``"Class.key (id 0x...)"``).  ``namespace`` is an instance ``__dict__`` or a ``_ClassNamespace``.
+Rebound = namedtuple("Rebound", "namespace label key old new")
 
 
 def _family(cls):
@@ -37,8 +42,7 @@ def _family(cls):
 
 def rebind(cls, original, replacement):
     """Point every instance attribute holding ``original`` bound to its own instance at ``replacement`` bound
-    to it.  Returns ``[(instance __dict__, label, key, old, new)]`` for ``restore``; ``label``:
-    ``"Class.key (id 0x...)"``."""
+    to it.  Returns ``[Rebound]`` for ``restore``."""
     classes = _family(cls)
     changed = []
     for obj in gc.get_referrers(*classes):
@@ -49,7 +53,7 @@ def rebind(cls, original, replacement):
             if isinstance(value, types.MethodType) and value.__func__ is original and value.__self__ is obj:
                 new = replacement.__get__(obj, type(obj))
                 namespace[key] = new
-                changed.append((namespace, "%s.%s (id %#x)" % (type(obj).__name__, key, id(obj)), key, value, new))
+                changed.append(Rebound(namespace, "%s.%s (id %#x)" % (type(obj).__name__, key, id(obj)), key, value, new))
     return changed
 
 
@@ -66,7 +70,7 @@ def rebind_assigned(holders, original, replacement):
         cls = getattr(sys.modules.get(module_name), cls_name, None)
         if isinstance(cls, type) and cls.__dict__.get(key) is original:
             setattr(cls, key, replacement)
-            changed.append((_ClassNamespace(cls), "%s.%s" % (cls.__name__, key), key, original, replacement))
+            changed.append(Rebound(_ClassNamespace(cls), "%s.%s" % (cls.__name__, key), key, original, replacement))
     return changed
 
 
@@ -88,9 +92,9 @@ class _ClassNamespace:
 def restore(changed):
     """Undo ``rebind``; an attribute someone set since is left alone and its label returned."""
     kept = []
-    for namespace, label, key, old, new in changed:
-        if namespace.get(key) is new:
-            namespace[key] = old
+    for r in changed:
+        if r.namespace.get(r.key) is r.new:
+            r.namespace[r.key] = r.old
         else:
-            kept.append(label)
+            kept.append(r.label)
     return kept

@@ -16,6 +16,14 @@ decides them), status and the CLI (which show them)::
 """
 
 
+from collections import namedtuple
+
+# What the catalogue says of one code path or release, where the answer is more than "ok or why not":
+# ``kind`` names the class (doctor: "fixes" / "not needed" / ...; ``covered``: "proven" / "unverified" / ...),
+# ``why`` says what decided it.  (Where the answer is "ok or why not", the convention is ``None`` or the reason.)
+Classified = namedtuple("Classified", "kind why")
+
+
 class Fsdp2CompatError(RuntimeError):
     """A requested patch could not be applied (or, ``core.calls``, not do its work) and strict mode is on."""
 

@@ -1,18 +1,62 @@
-"""The two declarative records everything else is built from.
+"""The declarative records everything else is built from.
 
-An ``Integration`` says where one upstream framework keeps what we patch.
-A ``Target`` is one seam in one upstream release range: "in distribution D,
-versions V, module M, the object ``M.attr`` is the code whose fingerprint we
-know; install what ``seam`` returns".  A ``Patch`` is what users name
-(``glm4v``, ``qwen3vl``): a family-level bundle of targets, and the
-transformers ``model_type`` values it is for.  Several patches may share a
-target; it is applied once and reverted when no active patch needs it.
+A ``Fix`` is one mechanism, the unit of the catalogue: the seam callables it
+installs, what a user sees without it, the upstream references, when it can
+be deleted, and what proves it.  A ``Target`` is where one fix goes in one
+upstream release range: "in distribution D, versions V, module M, the object
+``M.attr`` is the code whose fingerprint we know; install the fix's seam
+there".  An ``Integration`` says where one upstream framework keeps what we
+patch, and lists its targets: data only.  A ``Patch`` is what users name
+(``glm4v``, ``qwen3vl``): the fixes a model family needs, and the
+transformers ``model_type`` values it is for; ``fsdp2_compat.registry``
+derives its targets, references and delete conditions from its fixes by a
+join.  Several patches may share a target; it is applied once and reverted
+when no active patch needs it.
 
 Supporting a new upstream release is a change to a ``Target``: widen
 ``versions`` and, if the released function changed, add its fingerprint.
 
 Stdlib only: these records are imported at ``import fsdp2_compat.auto``.
 """
+
+
+class Fix:
+    """One mechanism, as the catalogue lists it (``fsdp2_compat.fixes`` declares one per mechanism).
+
+    name         short name (``wrap-selection``), unique
+    what         what it fixes, as a user reads it
+    seams        ``{name: "pkg.mod:function"}``: the seam callables it installs (``Target.seam`` is one of them);
+                 ``function(module, attr)`` returns ``{attr: replacement, ...}``
+    symptom      what a user sees without it, and on which stack, when that is not only the family's own
+                 (``Patch.summary`` says that): ``registry.symptoms`` adds it to every patch carrying the fix
+    references   upstream issues / PRs
+    delete_when  the condition under which the fix can go (one clause; a patch lists those of its fixes)
+    scenarios    ``fsdp2-compat check`` kinds that run it unpatched and patched (the harness's scenarios)
+    tests        the test modules that prove it on the released code
+    """
+
+    __slots__ = ("name", "what", "seams", "symptom", "references", "delete_when", "scenarios", "tests")
+
+    def __init__(self, name, what, seams, delete_when, references=(), symptom=None, scenarios=(), tests=()):
+        self.name = name
+        self.what = what
+        self.seams = dict(seams)
+        self.symptom = symptom
+        self.references = tuple(references)
+        self.delete_when = delete_when
+        self.scenarios = tuple(scenarios)
+        self.tests = tuple(tests)
+
+    def seam(self, via=None):
+        """The dotted seam callable named ``via`` (None: the fix's only one)."""
+        if via is None:
+            if len(self.seams) != 1:
+                raise ValueError("fix %s has %d seams (%s): name one" % (self.name, len(self.seams), ", ".join(self.seams)))
+            return next(iter(self.seams.values()))
+        return self.seams[via]
+
+    def __repr__(self):
+        return "Fix(%s)" % self.name
 
 
 class Target:
@@ -29,10 +73,15 @@ class Target:
     fingerprints  {release label: source fingerprint of ``module.attr``}
                   (see ``fsdp2_compat.core.guards.fingerprint``); a label names
                   the releases with that code (``"0.6.0-0.7.1"``)
-    seam          ``"pkg.mod:function"``; ``function(module, attr)`` returns
+    fix           the ``Fix`` installed here; ``via`` names which of its seams when it has several
+    seam          ``"pkg.mod:function"``: the fix's seam (given directly only for a target without a fix, such
+                  as the core tests' toys); ``function(module, attr)`` returns
                   ``{attr: replacement, ...}`` for every attribute it swaps
                   (names as ``attr`` is spelled: module globals, or
                   ``Class.method`` on the same class)
+    families      the transformers ``model_type`` values whose code this target is (verl's ``qwen3_vl``
+                  fused forward: Qwen3-VL and Qwen3-VL-MoE); None: any model.  A patch carrying the fix
+                  gets the target when one of its model types is listed (``registry``'s join)
     fixed_in      specifier of releases that carry the fix (patch not needed)
     declared      {specifier: reason} for releases known to have nothing to patch
                   here (the module or function does not exist, or upstream's
@@ -43,9 +92,9 @@ class Target:
                   release to be fingerprinted, fixed, declared or unsupported
     diff          stem of the equivalent source diff: the file for release X is
                   ``patches/<dist>/<X>/<diff>.diff`` in the repository
-    symptom       optional: what a user sees without this target, and on which stack, when
-                  the bug is not the family's own (TRL's reads, torch's accumulation): owned
-                  here once; ``registry.symptoms(patch)`` adds it to every patch carrying it
+    symptom       optional: what a user sees without this target where its code path differs from its
+                  fix's (``Fix.symptom`` otherwise); ``registry.symptoms(patch)`` adds it to every patch
+                  carrying it
     assigned_to   optional ``("pkg.mod:Class.method", ...)``: class attributes a trainer assigns this module
                   function to (lmms-engine: ``Qwen3VLModel.forward = qwen3_vl_ops.model_forward``).  A request
                   made after that assignment also replaces the function there (and revert restores it)
@@ -57,16 +106,21 @@ class Target:
     """
 
     __slots__ = ("dist", "module", "attr", "versions", "fingerprints", "seam", "fixed_in", "declared",
-                 "unsupported", "diff", "what", "layout", "symptom", "assigned_to")
+                 "unsupported", "diff", "what", "layout", "symptom", "assigned_to", "fix", "families")
 
-    def __init__(self, dist, module, attr, versions, fingerprints, seam, what, fixed_in=None, diff=None,
-                 declared=None, unsupported=None, layout=None, symptom=None, assigned_to=()):
+    def __init__(self, dist, module, attr, versions, fingerprints, seam=None, what="", fixed_in=None, diff=None,
+                 declared=None, unsupported=None, layout=None, symptom=None, assigned_to=(), fix=None, via=None,
+                 families=None):
+        if (seam is None) == (fix is None):
+            raise ValueError("a Target names its fix (or, without one, its seam): %s.%s" % (module, attr))
         self.dist = dist
         self.module = module
         self.attr = attr
         self.versions = versions
         self.fingerprints = dict(fingerprints)
-        self.seam = seam
+        self.fix = fix
+        self.seam = seam if fix is None else fix.seam(via)
+        self.families = None if families is None else tuple(families)
         self.what = what
         self.fixed_in = fixed_in
         self.declared = dict(declared or {})
@@ -85,31 +139,34 @@ class Target:
 
 
 class Patch:
-    """A user-facing patch name and the targets it needs.
+    """A user-facing patch name and what it installs.
 
     name         what users write in FSDP2_COMPAT_PATCHES
-    summary      one line: the family's own symptom (symptoms its shared targets own are
-                 added by ``registry.symptoms``, never repeated here)
+    summary      one line: the family's own symptom (symptoms its fixes own are added by
+                 ``registry.symptoms``, never repeated here)
     model_types  ``{transformers model_type: display name}`` of the model
                  families it is for, in the order users read them; the one
                  map from a model to its patch (check, audit, tests, README)
-    targets      tuple of ``Target``
-    references   upstream issues / PRs
-    delete_when  when this patch can be removed
+    targets      tuple of ``Target``: for the catalogue's patches, the registry's join of ``fixes``
+                 with the integrations' targets; given directly only for a transient patch (harness, tests)
+    references   upstream issues / PRs (the catalogue's: those of its fixes)
+    delete_when  the conditions under which it can be removed, one per fix (a string is one condition)
     note         optional: what ``model_types`` does not say (e.g. "and any
                  other text-only model verl serves through dense_common")
+    fixes        tuple of ``Fix``: what the family needs (empty for a transient patch)
     """
 
-    __slots__ = ("name", "summary", "model_types", "targets", "references", "delete_when", "note")
+    __slots__ = ("name", "summary", "model_types", "targets", "references", "delete_when", "note", "fixes")
 
-    def __init__(self, name, summary, model_types, targets, references, delete_when, note=""):
+    def __init__(self, name, summary, model_types, targets, references, delete_when, note="", fixes=()):
         self.name = name
         self.summary = summary
         self.model_types = dict(model_types)
         self.targets = tuple(targets)
         self.references = tuple(references)
-        self.delete_when = delete_when
+        self.delete_when = (delete_when,) if isinstance(delete_when, str) else tuple(delete_when)
         self.note = note
+        self.fixes = tuple(fixes)
 
     @property
     def families(self):
@@ -121,7 +178,7 @@ class Patch:
 
 
 class Integration:
-    """One upstream distribution (a framework, or torch), as the tooling and the tests need to find it.
+    """One upstream distribution (a framework, or torch), as the harness and the tests need to find it.
 
     dist         distribution name as pip knows it (``skyrl-train``)
     package      its top-level import package (``skyrl_train``), for reading wheels
@@ -133,6 +190,8 @@ class Integration:
     covered      ``Covered`` records: the framework's own code paths, proven through its code,
                  that no target of its own patches (shared targets fix them, or nothing can);
                  ``status`` and ``list`` report them (``core.covered``)
+
+    Its ``Target`` records are its module's ``TARGETS`` (``integrations.targets()`` lists them all).
     """
 
     __slots__ = ("dist", "package", "wrap_module", "callers", "covered")

@@ -15,7 +15,7 @@ def status(names=None):
     versions = {}
     if names is None:
         names = engine.requested() or None
-    for name, outcome in engine.outcomes(names):
+    for name, outcome in engine.outcomes(names):  # PatchOutcome
         row = outcome.as_dict()
         row["patch"] = name
         dist = outcome.target.dist

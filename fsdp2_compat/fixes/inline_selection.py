@@ -129,14 +129,24 @@ def wrap_fully_shard(original):
     return wrapt.FunctionWrapper(original, fully_shard)
 
 
-def seam(module, attr="apply_fsdp2"):
-    """Replacements for a module that defines ``apply_fsdp2`` and imports ``fully_shard``."""
+def _replacements(module, attr, original, hint=""):
+    """``{attr: wrapper of original, "fully_shard": filtered fully_shard}``; ``Drift`` without a module-global
+    ``fully_shard``."""
     from ..core.guards import Drift
 
     fully_shard = module.__dict__.get("fully_shard")
     if fully_shard is None or not callable(fully_shard):
-        raise Drift("%s has no module-global fully_shard (torch < 2.4?)" % module.__name__)
-    return {
-        attr: wrap_apply_fsdp2(module.__dict__[attr]),
-        "fully_shard": wrap_fully_shard(fully_shard),
-    }
+        raise Drift("%s has no module-global fully_shard%s" % (module.__name__, hint))
+    return {attr: wrap_apply_fsdp2(original), "fully_shard": wrap_fully_shard(fully_shard)}
+
+
+def seam(module, attr="apply_fsdp2"):
+    """Replacements for a module that defines ``apply_fsdp2`` and imports ``fully_shard``."""
+    return _replacements(module, attr, module.__dict__[attr], " (torch < 2.4?)")
+
+
+def method_seam(module, attr):
+    """The same for an inline loop in a method (LLaMA-Factory's ``FSDP2Engine.prepare_model``): the method
+    (``attr`` is ``"Class.method"``, read from the class ``__dict__``) and the module-global ``fully_shard``."""
+    owner, _, name = attr.rpartition(".")
+    return _replacements(module, attr, module.__dict__[owner].__dict__[name])

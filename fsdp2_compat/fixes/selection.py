@@ -17,9 +17,16 @@ unsharded for the whole root forward, so raw reads are safe.
 Tying is decided by parameter identity, never by config flags (transformers
 versions disagree on which flag counts; see UPSTREAM.md "Tied embeddings").
 
-Fails safe: this module only computes a list; the seams that install it
-(``integrations``) are gated on the release range and the fingerprint of the
-upstream function they replace, and are skipped with a reason otherwise.
+Seams here: ``verl_seam`` (verl 0.7.1+'s ``_select_fsdp2_wrap_targets``, replaced
+by ``select_verl``) and ``layer_class_seam`` (LLaMA-Factory's
+``get_transformer_layer_cls`` with a set ``_no_split_modules``: upstream's
+list rule, ``first_listed_class``).  The inline loops (verl 0.4.0-0.7.0,
+SkyRL, AReaL, LLaMA-Factory's engine, lmms-engine) take the same rule through
+``inline_selection``.
+
+Fails safe: the rule only computes a list; the seams that install it are
+gated on the fingerprint of the upstream function they replace (the
+integrations' targets; ``core.policy``), and refused with a reason otherwise.
 
 Delete when: every verl / SkyRL release you run selects its FSDP2 units this
 way (SkyRL PR #2088 merged and released; verl has no fix yet).
@@ -147,3 +154,67 @@ def auxiliary_embeddings(model):
     # Everything inside the input embedding (PEFT keeps copies there) is not auxiliary.
     keep = {id(m) for m in embedding.modules()} if embedding is not None else set()
     return [m for m in model.modules() if isinstance(m, nn.Embedding) and id(m) not in keep]
+
+
+# verl 0.7.1+ also gives ``embed_tokens`` / ``lm_head`` their own groups by
+# leaf name, because PEFT's ModulesToSaveWrapper hides the nn.Embedding type.
+# That part of verl's memory plan is kept as is.
+_VERL_NAMED = ("embed_tokens", "lm_head")
+
+
+def select_verl(model, layer_classes):
+    """verl's selection with auxiliary embeddings left in the root group.
+
+    Same as ``select_wrap_targets`` plus verl's by-name ``embed_tokens`` /
+    ``lm_head`` groups when the embeddings are untied (decided by identity).
+    """
+
+    def by_name(name, module):
+        return name.rsplit(".", 1)[-1] in _VERL_NAMED and hasattr(module, "weight")
+
+    return select_wrap_targets(model, layer_classes, extra=None if embeddings_tied(model) else by_name)
+
+
+def verl_seam(module, attr):
+    """Seam for verl 0.7.1+'s ``_select_fsdp2_wrap_targets(model, fsdp_transformer_layer_cls_to_wrap)``."""
+    import wrapt
+
+    from ..core import calls
+
+    signature = calls.signature_of(module, attr)  # (model, fsdp_transformer_layer_cls_to_wrap), fingerprinted
+
+    def _select_fsdp2_wrap_targets(wrapped, instance, args, kwargs):
+        return select_verl(signature.argument("model", instance, args, kwargs),
+                           signature.argument("fsdp_transformer_layer_cls_to_wrap", instance, args, kwargs))
+
+    return {attr: wrapt.FunctionWrapper(module.__dict__[attr], _select_fsdp2_wrap_targets)}
+
+
+def first_listed_class(model, names):
+    """Upstream's list rule for any collection of names: the class of the first listed module met, or None."""
+    wanted = layer_class_names(names)
+    for _, sub in model.named_modules():
+        if type(sub).__name__ in wanted:
+            return type(sub)
+    return None
+
+
+def layer_class_seam(module, attr):
+    """Seam for LLaMA-Factory's ``get_transformer_layer_cls(model)``: a set / frozenset ``_no_split_modules``
+    follows upstream's list rule (transformers 5.x keeps a set; 0.9.5 indexes it like a list and finds nothing)."""
+    import wrapt
+
+    from ..core import calls
+
+    signature = calls.signature_of(module, attr)
+
+    def get_transformer_layer_cls(wrapped, instance, args, kwargs):
+        model = signature.argument("model", instance, args, kwargs)
+        names = getattr(model, "_no_split_modules", None)
+        if isinstance(names, (set, frozenset)) and names:
+            found = first_listed_class(model, names)
+            if found is not None:
+                return found
+        return wrapped(*args, **kwargs)  # lists, tuples, None, no match: upstream's own code
+
+    return {attr: wrapt.FunctionWrapper(module.__dict__[attr], get_transformer_layer_cls)}

@@ -18,7 +18,7 @@ method, so the calling frame is still torch's).  Without it the event still
 carries the parameters, named by their ``_param_fqn``.
 
 Listeners: the guard (``guard.agree.check``) and the audit's recorder
-(``tooling.audit.divergence``).
+(the harness's ``audit.divergence``).
 """
 
 import inspect

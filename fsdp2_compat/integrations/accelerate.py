@@ -39,6 +39,7 @@ finds a VLM decoder's final norm (``VLM_FINAL_NORM``).
 """
 
 from ..core.records import Integration, Target
+from ..fixes import ACCELERATE_TIED_TAIL, ACCELERATE_VLM_NORM
 
 FSDP_UTILS = "accelerate.utils.fsdp_utils"
 
@@ -46,7 +47,7 @@ INTEGRATION = Integration(
     dist="accelerate",
     package="accelerate",
     # accelerate prepares models through fsdp2_prepare_model(accelerator, model), not an
-    # apply_fsdp2(model, ...) the wrap-selection tooling could call: no wrap_module.
+    # apply_fsdp2(model, ...) the wrap-selection harness could call: no wrap_module.
     wrap_module=None,
     callers=("accelerate.utils", "accelerate.accelerator"),  # import fsdp2_prepare_model by name
 )
@@ -56,13 +57,6 @@ _NO_TAIL = ("no tail unit: fsdp2_prepare_model shards the auto-wrap policy's mod
             "so the embeddings, the norm and lm_head share the root unit, unsharded for the whole forward "
             "(read: every release 1.6.0-1.13.0)")
 
-TIED_SYMPTOM = ("accelerate 1.14.0 FSDP2 (HF Trainer, TRL, axolotl), tied embeddings: `ValueError: Parameter "
-                "'model.embed_tokens.weight' is shared with a parameter already managed by another FSDP group` at "
-                "the first forward")
-VLM_SYMPTOM = ("accelerate 1.14.0-1.16.0 FSDP2, untied VLM: `lm_head` alone in its unit, so a reader of "
-               "`lm_head.weight` inside the forward (Liger-Kernel `use_liger_kernel=True`, custom losses) crashes "
-               "with `aten.mm.default got mixed torch.Tensor and DTensor` or, with `full_tensor()`, trains `lm_head` "
-               "on one rank's gradient")
 
 TIED_TAIL = Target(
     dist="accelerate",
@@ -70,11 +64,10 @@ TIED_TAIL = Target(
     attr="fsdp2_prepare_model",
     versions="==1.14.0",
     fingerprints={"1.14.0": "2c04da10a742c231"},
-    seam="fsdp2_compat.fixes.tail_unit:prepare_model_seam",
+    fix=ACCELERATE_TIED_TAIL,
     what="accelerate FSDP2 tail unit (tied lm_head left in the root unit)",
     fixed_in=">=1.15.0",
     declared={"<1.6.0": _NO_FSDP2, ">=1.6.0,<1.14.0": _NO_TAIL},
-    symptom=TIED_SYMPTOM,
 )
 
 VLM_FINAL_NORM = Target(
@@ -83,10 +76,9 @@ VLM_FINAL_NORM = Target(
     attr="_find_final_norm",
     versions=">=1.14.0,<=1.15.0",
     fingerprints={"1.14.0-1.16.0": "0428d06c1e0fac6e"},  # proven to 1.15.0 (versions); 1.16.0: same code
-    seam="fsdp2_compat.fixes.tail_unit:final_norm_seam",
+    fix=ACCELERATE_VLM_NORM,
     what="accelerate FSDP2 tail unit (a VLM's lm_head alone, without its decoder's norm)",
     declared={"<1.6.0": _NO_FSDP2, ">=1.6.0,<1.14.0": "no _find_final_norm; " + _NO_TAIL},
-    symptom=VLM_SYMPTOM,
 )
 
 TARGETS = (TIED_TAIL, VLM_FINAL_NORM)

@@ -36,6 +36,7 @@ itself; add the fixed release as ``fixed_in``).
 """
 
 from ..core.records import Integration, Target
+from ..fixes import WRAP_SELECTION as FIX
 
 FSDP_UTILS = "areal.engine.fsdp_utils"
 
@@ -52,7 +53,10 @@ WRAP_SELECTION = Target(
     attr="apply_fsdp2",
     versions="==1.0.4",
     fingerprints={"1.0.4": "c4a4502294081efc"},
-    seam="fsdp2_compat.fixes.inline_selection:seam",
+    fix=FIX,
+    via="inline loop",
     what="FSDP2 wrap selection (inline loop)",
     diff="wrap-selection",
 )
+
+TARGETS = (WRAP_SELECTION,)

@@ -52,14 +52,9 @@ DTensor and liger's loss crashes at the first step: ``aten.mm.default got
 mixed torch.Tensor and DTensor``.  Measured (0.19.0, torch 2.13.0, 2 CPU gloo
 ranks, different data, tiny untied Qwen2).
 
-Seam: ``_resolve_lm_head`` (called right after the forward, as a module global
-of ``compute_loss``): the head it returns has its weight unsharded through the
-FSDP2 unit that manages it (``gather.gather_enclosed``: the root here, or the
-head's own unit), FSDP's own unsharded parameter; the root's post-backward
-then reduce-scatters (averages) its gradient.  Patched: two steps DP-exact.
-Before the first forward (no unit initialised) the head is left as it is.
-Under ``no_grad`` (evaluation) the unit stays unsharded until its next forward
-reshards it (the seam returns a module; there is no exit to reshard at).
+Seam: ``_resolve_lm_head`` (``fsdp2_compat.fixes.head_reads``): the head it
+returns has its weight unsharded through the FSDP2 unit that manages it, whose
+post-backward then averages its gradient.  Patched: two steps DP-exact.
 
 Claims that did not reproduce (``tests/integrations/test_axolotl.py``): with
 ``reshard_after_forward: false`` the root stays unsharded after the forward
@@ -77,6 +72,7 @@ Delete when axolotl reads the head through its unit in every release you run.
 """
 
 from ..core.records import Integration, Target
+from ..fixes import DORA_MAGNITUDE, KD_HEAD
 
 LORA = "axolotl.kernels.lora"
 
@@ -90,8 +86,6 @@ INTEGRATION = Integration(
 _NO_KERNELS = "no axolotl.kernels.lora: the LoRA kernels arrived in 0.7.0"
 _NO_DORA = ("no DoRA magnitude read: the kernels of these releases have no DoRA (0.12.0+ unshard lora_A / lora_B "
             "through FSDP, whose gradients FSDP averages)")
-SYMPTOM = ("axolotl 0.16.0+ LoRA kernels with DoRA on FSDP2: the q/k/v/o (and embedding) `lora_magnitude_vector` "
-           "gradients are each rank's own, never the data-parallel average (plain `full_tensor()`; no error)")
 
 LORA_MAGNITUDE = Target(
     dist="axolotl",
@@ -99,10 +93,9 @@ LORA_MAGNITUDE = Target(
     attr="get_lora_parameters",
     versions="==0.19.0",
     fingerprints={"0.16.0-0.21.0": "c1ebdcdadbfc2f56"},  # proven on 0.19.0 (versions); the others: same code
-    seam="fsdp2_compat.fixes.adapter_reads:magnitude_reader_seam",
+    fix=DORA_MAGNITUDE,
     what="axolotl LoRA kernels read the DoRA magnitude (plain full_tensor)",
     declared={"<0.7.0": _NO_KERNELS, ">=0.7.0,<0.16.0": _NO_DORA},
-    symptom=SYMPTOM,
 )
 
 EMBEDDING_MAGNITUDE = Target(
@@ -111,16 +104,12 @@ EMBEDDING_MAGNITUDE = Target(
     attr="get_embedding_lora_parameters",
     versions="==0.19.0",
     fingerprints={"0.16.0-0.21.0": "6ad594ab40f3df64"},
-    seam="fsdp2_compat.fixes.adapter_reads:magnitude_reader_seam",
+    fix=DORA_MAGNITUDE,
     what="axolotl LoRA kernels read the DoRA magnitude (embedding, plain full_tensor)",
     declared={"<0.7.0": _NO_KERNELS, ">=0.7.0,<0.16.0": "no embedding LoRA kernel (it arrived in 0.16.0)"},
-    symptom=SYMPTOM,
 )
 
 
-KD_SYMPTOM = ("axolotl 0.17.0+ KD trainer on FSDP2 (reshard_after_forward true, accelerate's default): compute_loss "
-              "reads lm_head.weight after the forward resharded the root unit and crashes in liger's chunked loss "
-              "(`aten.mm.default got mixed torch.Tensor and DTensor`)")
 
 KD_LM_HEAD = Target(
     dist="axolotl",
@@ -128,34 +117,12 @@ KD_LM_HEAD = Target(
     attr="_resolve_lm_head",
     versions="==0.19.0",
     fingerprints={"0.17.0-0.21.0": "8d14073b6071ed10"},  # proven on 0.19.0 (versions); the others: same code
-    seam="fsdp2_compat.integrations.axolotl:resolved_head_seam",
+    fix=KD_HEAD,
     what="axolotl KD trainer reads lm_head.weight after the forward",
     declared={"<0.7.0": "no axolotl.integrations.kd.trainer: the KD trainer arrived in 0.7.0",
               ">=0.7.0,<0.17.0": ("no _resolve_lm_head: the KD loss runs inside the model's forward (the logits, "
                                   "or kd/kernels/models.py reading self.lm_head.weight while the root unit is "
                                   "unsharded), nothing reads the head after it")},
-    symptom=KD_SYMPTOM,
 )
 
 TARGETS = (LORA_MAGNITUDE, EMBEDDING_MAGNITUDE, KD_LM_HEAD)
-
-
-def resolved_head_seam(module, attr):
-    """Seam for ``axolotl.integrations.kd.trainer:_resolve_lm_head(model)``: the head it returns has its weight
-    unsharded through the FSDP2 unit that manages it (its own, or the root's) before the caller reads it."""
-    import wrapt
-
-    from ..core import calls
-    from ..fixes.gather import gather_enclosed
-
-    where = "%s.%s" % (module.__name__, attr)
-
-    def _resolve_then_gather(wrapped, instance, args, kwargs):
-        head = wrapped(*args, **kwargs)
-        if hasattr(head, "weight"):
-            gather_enclosed(head, "weight")
-        else:
-            calls.missing(where, "an lm_head with a weight (got %s)" % type(head).__name__)
-        return head
-
-    return {attr: wrapt.FunctionWrapper(calls.lookup(module, attr), _resolve_then_gather)}

@@ -18,7 +18,7 @@ Two targets, fingerprinted separately:
    root.  GLM4V's vision ``position_embedding`` is then read raw while
    sharded: ``aten.grid_sampler_2d.default got mixed torch.Tensor and
    DTensor`` (the other auxiliary-embedding families: ``aten.add.Tensor`` /
-   ``aten.copy_.default``).  ``engine_seam`` installs the two wrappers of
+   ``aten.copy_.default``).  ``inline_selection.method_seam`` installs the two wrappers of
    ``fsdp2_compat.fixes.inline_selection`` unchanged: one on the method
    publishes the model (its ``model`` parameter, found by name however the
    method is called: ``fsdp2_compat.core.calls``), one on the module's ``fully_shard``
@@ -32,7 +32,7 @@ Two targets, fingerprinted separately:
    ``model.model.layers[0]`` and every VLM / audio LM (and every ``PeftModel``,
    even of a text model) logs "Could not identify Transformer Layer class" and
    gets no layer unit at all: the whole model is one root unit.
-   ``layer_class_seam`` applies upstream's list rule (the class of the first
+   ``selection.layer_class_seam`` applies upstream's list rule (the class of the first
    listed module met in ``named_modules()``) to a set or frozenset; lists,
    tuples, ``None`` and no match run upstream's code.  This restores exactly
    what 0.9.5 does on transformers 4.x, no more: LLaMA-Factory shards **one**
@@ -65,7 +65,7 @@ adds gets the right arguments).  The rule is SkyRL's fix (issue #2087 / PR
 
 Fails safe: each target is applied only where its function's fingerprint is
 the one below (else refused with the reason, nothing touched);
-``engine_seam`` raises ``Drift`` when ``fully_shard`` is not a module global;
+``inline_selection.method_seam`` raises ``Drift`` when ``fully_shard`` is not a module global;
 outside a ``prepare_model`` call the ``fully_shard`` wrapper is a
 pass-through.  Delete the selection target when a release selects only the
 layer classes and the untied input embedding, the lookup target when a
@@ -74,6 +74,7 @@ it as ``fixed_in`` for this target).
 """
 
 from ..core.records import Integration, Target
+from ..fixes import LAYER_CLASS_LOOKUP as LOOKUP, WRAP_SELECTION as SELECTION
 
 FSDP2 = "llamafactory.v1.plugins.trainer_plugins.distributed.fsdp2"
 
@@ -95,7 +96,8 @@ WRAP_SELECTION = Target(
     attr="FSDP2Engine.prepare_model",
     versions="==0.9.5",
     fingerprints={"0.9.5": "a44f2891e2a82f49"},
-    seam="fsdp2_compat.integrations.llamafactory:engine_seam",
+    fix=SELECTION,
+    via="inline loop in a method",
     what="FSDP2 wrap selection (inline loop in FSDP2Engine.prepare_model)",
     declared=_NO_ENGINE,
     diff="wrap-selection",
@@ -107,55 +109,10 @@ LAYER_CLASS_LOOKUP = Target(
     attr="get_transformer_layer_cls",
     versions="==0.9.5",
     fingerprints={"0.9.5": "0bc1a37af15029f1"},
-    seam="fsdp2_compat.integrations.llamafactory:layer_class_seam",
+    fix=LOOKUP,
     what="FSDP2 layer-class lookup (ignores a set _no_split_modules)",
     declared=_NO_ENGINE,
     diff="wrap-selection",
-    symptom=("LLaMA-Factory 0.9.5 on transformers 5.x: \"Could not identify Transformer Layer class\", the vision "
-             "blocks stay in the root unit (Qwen3-VL in bf16: `RuntimeError: mixed dtype (CPU)` in the vision "
-             "LayerNorm)"),
 )
 
-
-def engine_seam(module, attr):
-    """``{attr: method wrapper, "fully_shard": filtered fully_shard}`` for ``FSDP2Engine.prepare_model``."""
-    from ..core.guards import Drift
-    from ..fixes.inline_selection import wrap_apply_fsdp2, wrap_fully_shard
-
-    owner, _, name = attr.rpartition(".")
-    method = module.__dict__[owner].__dict__[name]
-    fully_shard = module.__dict__.get("fully_shard")
-    if fully_shard is None or not callable(fully_shard):
-        raise Drift("%s has no module-global fully_shard" % module.__name__)
-    return {attr: wrap_apply_fsdp2(method), "fully_shard": wrap_fully_shard(fully_shard)}
-
-
-def first_listed_class(model, names):
-    """Upstream's list rule for any collection of names: the class of the first listed module met, or None."""
-    from ..fixes.selection import layer_class_names
-
-    wanted = layer_class_names(names)
-    for _, sub in model.named_modules():
-        if type(sub).__name__ in wanted:
-            return type(sub)
-    return None
-
-
-def layer_class_seam(module, attr):
-    """``{attr: wrapper}``: a set / frozenset ``_no_split_modules`` follows upstream's list rule."""
-    import wrapt
-
-    from ..core import calls
-
-    signature = calls.signature_of(module, attr)
-
-    def get_transformer_layer_cls(wrapped, instance, args, kwargs):
-        model = signature.argument("model", instance, args, kwargs)
-        names = getattr(model, "_no_split_modules", None)
-        if isinstance(names, (set, frozenset)) and names:
-            found = first_listed_class(model, names)
-            if found is not None:
-                return found
-        return wrapped(*args, **kwargs)  # lists, tuples, None, no match: upstream's own code
-
-    return {attr: wrapt.FunctionWrapper(module.__dict__[attr], get_transformer_layer_cls)}
+TARGETS = (WRAP_SELECTION, LAYER_CLASS_LOOKUP)

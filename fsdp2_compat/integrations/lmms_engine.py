@@ -61,7 +61,7 @@ librosa (``train_utils``, ``data_utils``); ``fsdp2_utils`` itself needs only
 torch.  Users have the full install, so the hook fires on the real import.
 The pinned test set installs lmms-engine ``--no-deps`` and imports the
 released ``fsdp2_utils.py`` with that package ``__init__`` skipped
-(``tooling.frameworks.import_fsdp_utils``): the file under test runs unchanged.
+(the harness's ``frameworks.import_fsdp_utils``): the file under test runs unchanged.
 
 Releases: 0.1.2 and 0.1.4 (the only ones on PyPI) have the same ``apply_fsdp2``
 code (one fingerprint; 0.1.4 proven).  No upstream issue or fix for
@@ -76,6 +76,7 @@ itself; add the fixed release as ``fixed_in``).
 """
 
 from ..core.records import Integration, Target
+from ..fixes import MIXED_MEDIA as MIXED, WRAP_SELECTION as SELECTION
 
 FSDP2_UTILS = "lmms_engine.utils.fsdp2_utils"
 
@@ -92,7 +93,8 @@ WRAP_SELECTION = Target(
     attr="apply_fsdp2",
     versions="==0.1.4",
     fingerprints={"0.1.2-0.1.4": "40512dfcfb7c0aca"},
-    seam="fsdp2_compat.fixes.inline_selection:seam",
+    fix=SELECTION,
+    via="inline loop",
     what="FSDP2 wrap selection (inline loop)",
     diff="wrap-selection",
 )
@@ -100,7 +102,6 @@ WRAP_SELECTION = Target(
 
 # --- its own padding-free VLM forwards (use_rmpad) ---------------------------------------------------------------
 
-_MIXED_SEAM = "fsdp2_compat.fixes.mixed_media:forward_seam"
 _OPS_SYMPTOM = ("lmms-engine use_rmpad: one rank's micro-batch text-only and another's with an image: its own forward "
                 "skips the vision tower, NCCL **hangs**, gloo aborts (`Received data size doesn't match expected size`)")
 _OLDER = ("0.1.2 has the same text-only skip in other code (it pins transformers 4.57.1): not proven here; "
@@ -116,7 +117,8 @@ def _ops(family, attr, fingerprint, base, older=_OLDER):
         attr=attr,
         versions="==0.1.4",
         fingerprints={"0.1.4": fingerprint},
-        seam=_MIXED_SEAM,
+        fix=MIXED,
+        families=(family,),
         what="media tower skipped on a text-only micro-batch (lmms-engine's own %s forward)" % family,
         unsupported={"==0.1.2": older} if older else None,
         declared=None if older else {"<0.1.4": "no lmms_engine.models.%s (it arrived in 0.1.4)" % family},

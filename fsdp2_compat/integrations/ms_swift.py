@@ -37,7 +37,7 @@ fingerprint FILE NAME``) as ``Covered`` records of its ``Integration``: ``fsdp2-
 installed release's files and says per path "proven" (that code), "proven broken" (GKD) or "unverified" (other
 code: not assumed covered), and ``list`` prints them (``core.covered``); ``test_ms_swift.py`` checks them
 against the installed release.  ``fsdp2-compat check`` runs the Qwen3-VL forward and GRPO Liger paths, unpatched
-and patched, where their installed code is the proven code (``tooling/engines/ms_swift.py``).
+and patched, where their installed code is the proven code (the harness's ``engines/ms_swift.py``).
 
 Fails safe: nothing of ms-swift is patched.  Delete when ms-swift keeps every rank in the tower's
 collectives under FSDP2 itself (its Qwen3-VL dummy not DeepSpeed-only) and the shared targets it relies on

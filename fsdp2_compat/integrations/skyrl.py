@@ -10,11 +10,15 @@ Two distributions ship the same code under different module paths:
 The fix upstream is SkyRL PR #2088 (issue #2087), not in any release yet.
 When it ships, add its releases as ``fixed_in`` (status then says "not
 needed"), and delete these targets once no supported release lacks it.
-Fails safe: out-of-range releases and unknown fingerprints are skipped with
-the reason, nothing touched.
+Fails safe (``fsdp2_compat.core.policy``): the code decides, not the version.
+Code whose fingerprint is not listed is refused, with a warning naming the
+patch, the release and what to do, and left untouched; a release outside
+``versions`` whose code is a recorded release's is patched, and ``status``
+says it is outside the proven range (``FSDP2_COMPAT_STRICT=proven`` refuses it).
 """
 
 from ..core.records import Integration, Target
+from ..fixes import WRAP_SELECTION as FIX
 
 SKYRL_INTEGRATION = Integration(
     dist="skyrl",
@@ -36,7 +40,8 @@ SKYRL = Target(
     attr="apply_fsdp2",
     versions=">=0.1.0,<=0.4.0",
     fingerprints={"0.1.0": "260e89f6d23e4b6c", "0.2.0-0.4.0": "9414d8830a5b5ef4"},
-    seam="fsdp2_compat.fixes.inline_selection:seam",
+    fix=FIX,
+    via="inline loop",
     what="FSDP2 wrap selection (inline loop)",
     diff="wrap-selection",
     declared={"<0.1.0": "0.0.1 is a 1 KB placeholder: no skyrl.backends, nothing to patch"},
@@ -48,7 +53,10 @@ SKYRL_TRAIN = Target(
     attr="apply_fsdp2",
     versions=">=0.1.0,<=0.3.1",
     fingerprints={"0.1.0-0.3.1": "c1723289c3265bd0"},
-    seam="fsdp2_compat.fixes.inline_selection:seam",
+    fix=FIX,
+    via="inline loop",
     what="FSDP2 wrap selection (inline loop)",
     diff="wrap-selection",
 )
+
+TARGETS = (SKYRL, SKYRL_TRAIN)

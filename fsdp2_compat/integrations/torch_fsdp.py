@@ -52,6 +52,7 @@ Delete when: every torch you run is >= 2.15.0, or carries both fixes.
 """
 
 from ..core.records import Integration, Target
+from ..fixes import GRAD_ACCUMULATION as FIX
 
 FULLY_SHARD = "torch.distributed.fsdp._fully_shard"
 
@@ -65,8 +66,6 @@ _NO_MODULE = (
 )
 _REWORKED = "accumulation rewritten around Parameter.grad_dtype, guarded with getattr(..., '_unsharded_param', None)"
 
-ACCUM_SYMPTOM = ("torch FSDP2 with deferred gradient sync and a micro-batch that skips a unit (text-only): "
-                 "`AttributeError: 'FSDPParam' object has no attribute '_unsharded_param'`")
 
 GRAD_ACCUM_GUARD = Target(
     dist="torch",
@@ -77,11 +76,11 @@ GRAD_ACCUM_GUARD = Target(
     # post-backwards a sharded group only under set_unshard_in_backward(False),
     # so the crash needs 2.7.0+ in practice; the guard is harmless either way.
     fingerprints={"2.6.0-2.14.1": "9b118be51f352e31"},
-    seam="fsdp2_compat.fixes.accumulation:guard_seam",
+    fix=FIX,
+    via="guard",
     what="FSDP2 gradient accumulation (deferred upcast of a never-gathered parameter)",
     diff="fsdp-param-accumulation",
     declared={"<2.6.0": _NO_MODULE, ">=2.15.0": "method removed: " + _REWORKED},
-    symptom=ACCUM_SYMPTOM,
 )
 
 GRAD_ACCUM_UNIFORM = Target(
@@ -105,11 +104,11 @@ GRAD_ACCUM_UNIFORM = Target(
         "2.13.0": "22385c789e12917e",
         "2.14.0-2.14.1": "1d778f789473dc5b",
     },
-    seam="fsdp2_compat.fixes.accumulation:uniform_seam",
+    fix=FIX,
+    via="uniform",
     what="FSDP2 gradient accumulation (uniform dtype after a partly-used deferred micro-batch)",
     diff="fsdp-param-group-accumulation",
     declared={"<2.6.0": _NO_MODULE, ">=2.15.0": "post_backward " + _REWORKED},
-    symptom=ACCUM_SYMPTOM,
 )
 
-GRAD_ACCUMULATION = (GRAD_ACCUM_GUARD, GRAD_ACCUM_UNIFORM)
+TARGETS = GRAD_ACCUMULATION = (GRAD_ACCUM_GUARD, GRAD_ACCUM_UNIFORM)

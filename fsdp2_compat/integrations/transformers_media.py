@@ -46,6 +46,7 @@ collectives, or torch FSDP2 tolerates a unit one rank skips.
 """
 
 from ..core.records import Integration, Target
+from ..fixes import MIXED_MEDIA as FIX
 
 # transformers wraps nothing and is not a framework: it holds the forwards the patch wraps.
 INTEGRATION = Integration(dist="transformers", package="transformers", wrap_module=None)
@@ -57,7 +58,6 @@ INTEGRATION = Integration(dist="transformers", package="transformers", wrap_modu
 # 5.0.0rc3, 5.10.4, 5.16.1 and 5.24.0 pass the same tests where the family exists and wraps, outside this one
 # specifier (they apply with the "not in the proven range" note).
 PROVEN = ">=5.3.0,<=5.8.1"
-_SEAM = "fsdp2_compat.fixes.mixed_media:forward_seam"
 _WHAT = "media tower skipped on a text-only micro-batch (%s)"
 
 # family -> (base model class, first release with the module)
@@ -321,11 +321,6 @@ FORWARD_FINGERPRINTS = {
 }
 
 
-SYMPTOM = ("one rank's micro-batch text-only and another's with an image or audio (any framework but verl's own "
-           "forwards): the tower's FSDP2 collectives differ across ranks, NCCL **hangs**, gloo aborts (`Received data "
-           "size doesn't match expected size`)")
-
-
 def _target(family, cls=None, fingerprints=None, declared=None, refuse_older=True, versions=PROVEN, layout=None,
             unsupported=None):
     """The family's ``<cls>.forward`` target (``FAMILIES``' base model class unless ``cls`` is given);
@@ -345,12 +340,12 @@ def _target(family, cls=None, fingerprints=None, declared=None, refuse_older=Tru
         attr=cls + ".forward",
         versions=versions,
         fingerprints=fingerprints or FORWARD_FINGERPRINTS[family],
-        seam=_SEAM,
+        fix=FIX,
+        families=(family,),
         what=_WHAT % family,
         declared=dict({"<%s" % first: "no transformers.models.%s module" % family}, **(declared or {})),
         unsupported=unsupported,
         layout=layout,
-        symptom=SYMPTOM,
     )
 
 

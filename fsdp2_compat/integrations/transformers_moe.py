@@ -17,7 +17,7 @@ census' reader; ``tests/integrations/test_census.py`` keeps it so):
   slice when no token reached it (a zero gradient on every rank); releases
   before the family's module existed;
 - not a target at all: Qwen3-VL-MoE (3-D experts in every release, 4.57.0 on)
-  and Qwen3.5-MoE (5.2.0 on, 3-D).  ``NOT_AFFECTED`` says so for the tooling.
+  and Qwen3.5-MoE (5.2.0 on, 3-D).  ``NOT_AFFECTED`` says so for doctor and check.
 
 Proven on real FSDP2 (2 CPU gloo ranks, tokens that reach different experts
 on each rank) with 4.57.6 through verl, SkyRL, skyrl-train and accelerate's
@@ -30,9 +30,9 @@ transformers you train a MoE model with is 5.0+.
 """
 
 from ..core.records import Target
+from ..fixes import MOE_EXPERTS as FIX
 from .transformers_media import INTEGRATION  # noqa: F401  (transformers' one Integration record)
 
-_SEAM = "fsdp2_compat.fixes.experts:block_seam"
 _WHAT = "MoE expert no token on this rank reached (%s)"
 THREE_D = ("routed experts are 3-D parameters (<Family>Experts, indexed per expert): every rank has a gradient "
            "for every expert")
@@ -81,8 +81,6 @@ NOT_AFFECTED = {
 # proven range (stdlib only here: the records are built when the registry is imported, at apply()).
 PROVEN_RELEASE = "4.57.6"
 
-SYMPTOM = ("a MoE expert one rank's tokens reach and another's do not (transformers 4.x, any framework): gloo "
-           "`Received data size doesn't match expected size`, NCCL hangs or reduces the wrong gradients")
 
 
 def _target(family):
@@ -99,10 +97,10 @@ def _target(family):
         attr="%s.%s" % (cls, method),
         versions=">=%s,<=%s" % (low, high or low),
         fingerprints=prints,
-        seam=_SEAM,
+        fix=FIX,
+        families=(family,),
         what=_WHAT % family,
         declared=declared,
-        symptom=SYMPTOM,
     )
 
 

@@ -32,35 +32,18 @@ accelerate release whose norm search the accelerate target does not know, a
 model whose decoder exposes no norm), and they cost nothing when the head is
 already unsharded (a plain tensor is left as it is).
 
-Seams:
-- ``trl.trainer.utils:add_fused_lm_head`` (1.15.0+).  It builds a closure per
-  model and installs it on the *instance* (``model.forward =
-  types.MethodType(_fused_forward, model)``); nothing at module or class level
-  holds that closure, so the seam wraps the installer and re-binds what it
-  installed as ``MethodType(FunctionWrapper(_fused_forward, ...), model)``.
-  That stays a real bound method: accelerate's mixed-precision wrapping reads
-  ``model.forward.__func__``.  The wrapper gathers the head only for
-  ``fused_lm_head=True`` calls; the plain forward is untouched.  Callers import
-  the installer by name (``INTEGRATION.callers``): the engine rebinds them.
-- ``DistillationTrainer._compute_loss`` (1.10.0+) and
-  ``AsyncDistillationTrainer._compute_loss`` (1.11.0+): both receive the
-  unwrapped student first and read ``get_output_embeddings().weight`` into the
-  chunked divergence; the wrapper gathers the student's head around the call.
-  The student is the parameter of that name however the method is called
-  (``fsdp2_compat.core.calls``): a subclass override calling
-  ``DistillationTrainer._compute_loss(self, student, ...)``, ``super()``, a
-  re-bound class attribute, keywords.  A call without a student that has an
-  output embedding is reported (a WARNING; an error under strict mode), never
-  run unfixed in silence.
-  (``_chunked_divergence_loss`` gets tensors only, no owner to unshard;
-  ``compute_loss`` is decorated, so not fingerprintable.)  The teacher is left
-  alone: accelerate prepares it without sharding, and its read has no gradient.
+Seams (``fsdp2_compat.fixes.head_reads``): ``trl.trainer.utils:add_fused_lm_head``
+(1.15.0+: the forward it installs on the instance is re-bound through a
+gathering wrapper), ``DistillationTrainer._compute_loss`` (1.10.0+) and
+``AsyncDistillationTrainer._compute_loss`` (1.11.0+): the student's head is
+gathered around the call.  (``_chunked_divergence_loss`` gets tensors only, no
+owner to unshard; ``compute_loss`` is decorated, so not fingerprintable.)
+Callers import the installer by name (``INTEGRATION.callers``): the engine
+rebinds them.
 
-Fails safe: a head whose weight is a plain tensor (no FSDP, the tail already
-unsharded, or ``lm_head`` in the root unit as with accelerate <= 1.13) is left
-as it is; a sharded head that is not an FSDP2 unit raises ``GatherError`` with
-the reason.  Models TRL fused while the patch was on keep the gathering
-wrapper after a revert (it is correct on any release).  TRL 1.1.0-1.14.2 read
+Fails safe (``fixes.head_reads``): a head whose weight is a plain tensor (no FSDP,
+the tail already unsharded, or ``lm_head`` in the root unit as with accelerate
+<= 1.13) is left as it is.  TRL 1.1.0-1.14.2 read
 the head through other functions: recorded below as ``unsupported`` (a
 requested patch refuses this target there with a warning, never silently "not
 needed").  What the accelerate targets of the same patches do for them: the
@@ -81,6 +64,7 @@ head before TRL reads it.
 """
 
 from ..core.records import Integration, Target
+from ..fixes import TRL_HEAD_READS
 
 INTEGRATION = Integration(
     dist="trl",
@@ -101,8 +85,6 @@ INTEGRATION = Integration(
 )
 
 _PROVEN = "==1.16.0"
-SYMPTOM = ("TRL (accelerate >= 1.14 FSDP2, untied VLM): silently **unaveraged `lm_head` gradient** in the fused "
-           "LM head (SFT, GRPO, RLOO, DPO, KTO) and distillation losses")
 _WHAT = "TRL reads lm_head.weight outside its forward (%s)"
 _OLDER_READERS = (
     "no add_fused_lm_head; this release reads lm_head.weight through patch_chunked_lm_head (from 1.4.0 also "
@@ -117,12 +99,12 @@ FUSED_LM_HEAD = Target(
     attr="add_fused_lm_head",
     versions=_PROVEN,
     fingerprints={"1.15.0": "e99a1161fdc09cb5", "1.16.0": "27301e73e4ace4f2"},
-    seam="fsdp2_compat.integrations.trl:fused_lm_head_seam",
+    fix=TRL_HEAD_READS,
+    via="fused LM head",
     what=_WHAT % "fused LM head: SFT, GRPO, RLOO, DPO, KTO",
     diff="utils-lm-head",
     declared={"<1.1.0": "no add_fused_lm_head and no chunked lm_head reader in trl.trainer.utils"},
     unsupported={">=1.1.0,<1.15.0": _OLDER_READERS},
-    symptom=SYMPTOM,
 )
 
 DISTILLATION = Target(
@@ -137,11 +119,11 @@ DISTILLATION = Target(
         "1.15.0": "b6d093abddd09d57",
         "1.16.0": "0f672cd3581e18e4",
     },
-    seam="fsdp2_compat.integrations.trl:student_head_seam",
+    fix=TRL_HEAD_READS,
+    via="student",
     what=_WHAT % "distillation loss",
     diff="distillation_trainer-lm-head",
     declared={"<1.10.0": "no DistillationTrainer in trl.trainer.distillation_trainer"},
-    symptom=SYMPTOM,
 )
 
 ASYNC_DISTILLATION = Target(
@@ -154,109 +136,11 @@ ASYNC_DISTILLATION = Target(
         "1.13.0-1.14.2": "2867d9cab669712d",
         "1.15.0-1.16.0": "ce732824c63683ef",
     },
-    seam="fsdp2_compat.integrations.trl:student_head_seam",
+    fix=TRL_HEAD_READS,
+    via="student",
     what=_WHAT % "async distillation loss",
     diff="async_distillation_trainer-lm-head",
     declared={"<1.11.0": "no trl.experimental.async_distillation"},
-    symptom=SYMPTOM,
 )
 
 TARGETS = (FUSED_LM_HEAD, DISTILLATION, ASYNC_DISTILLATION)
-
-
-# ---------------------------------------------------------------------------
-# seams (wrapt and torch are imported when a target module is imported, never here)
-
-
-def _output_head(model):
-    get = getattr(model, "get_output_embeddings", None)
-    head = get() if callable(get) else None
-    return head if head is not None and hasattr(head, "weight") else None
-
-
-def _call_with_head_gathered(where, model, role, call):
-    """``call()`` with ``model``'s output embedding unsharded through FSDP; ``calls.missing`` when there is none."""
-    from ..core import calls
-    from ..fixes.gather import gathered
-
-    head = _output_head(model) if model is not None else None
-    if head is None:
-        calls.missing(where, "%s with an output embedding (got %s)" % (role, type(model).__name__))
-        return call()
-    with gathered(head):
-        return call()
-
-
-def wrap_installed_forward(model):
-    """Wrap the ``_fused_forward`` that ``add_fused_lm_head`` just bound to ``model``; True when done."""
-    import types
-
-    import wrapt
-
-    from ..core.calls import Signature
-
-    bound = model.__dict__.get("forward")
-    if not isinstance(bound, types.MethodType) or bound.__self__ is not model:
-        return False  # not what TRL installs: leave it
-    if isinstance(bound.__func__, wrapt.FunctionWrapper):
-        return True
-    # named after the target that installed it, so a strict request of that target covers it
-    signature = Signature(bound.__func__, "trl.trainer.utils.add_fused_lm_head")
-
-    def _fused_call(wrapped, instance, args, kwargs):
-        """Around ``_fused_forward(self, *args, fused_lm_head=False, ...)`` (bound by MethodType)."""
-        if not signature.argument("fused_lm_head", instance, args, kwargs):
-            return wrapped(*args, **kwargs)  # the model's own forward: lm_head runs as a module
-        this = signature.receiver(instance, args, kwargs)
-        return _call_with_head_gathered(signature.where, this, "a model (in its fused forward)",
-                                        lambda: wrapped(*args, **kwargs))
-
-    model.forward = types.MethodType(wrapt.FunctionWrapper(bound.__func__, _fused_call), model)
-    return True
-
-
-def fused_lm_head_seam(module, attr):
-    """Seam for ``trl.trainer.utils:add_fused_lm_head``."""
-    import wrapt
-
-    from ..core import calls
-
-    signature = calls.signature_of(module, attr)
-
-    def _install_then_wrap(wrapped, instance, args, kwargs):
-        result = wrapped(*args, **kwargs)
-        model = signature.argument("model", instance, args, kwargs)
-        if model is None or not wrap_installed_forward(model):
-            calls.missing(signature.where, "a model whose forward it installed (got %s)" % type(model).__name__)
-        return result
-
-    return {attr: wrapt.FunctionWrapper(module.__dict__[attr], _install_then_wrap)}
-
-
-# The student's parameter of ``_compute_loss``: DistillationTrainer, AsyncDistillationTrainer.
-_STUDENT = ("unwrapped_student", "unwrapped_model")
-
-
-def student_head_seam(module, attr):
-    """Seam for ``<distillation module>:<Trainer>._compute_loss`` (``attr`` is ``"Class.method"``).
-
-    Around ``_compute_loss(self, unwrapped_student, ...)``: the student's head is
-    gathered however the method was called (``calls``: instance, the class with
-    an explicit self, ``super()``, a re-bound descriptor, keywords).
-    """
-    import wrapt
-
-    from ..core import calls, guards
-
-    signature = calls.signature_of(module, attr)
-    names = [n for n in _STUDENT if n in signature.names]
-    if not names:
-        raise guards.Drift("%s takes no %s" % (signature.where, " or ".join(_STUDENT)))
-    student_name = names[0]
-
-    def _student_call(wrapped, instance, args, kwargs):
-        student = signature.argument(student_name, instance, args, kwargs)
-        return _call_with_head_gathered(signature.where, student, "a student (%s)" % student_name,
-                                        lambda: wrapped(*args, **kwargs))
-
-    return {attr: wrapt.FunctionWrapper(calls.lookup(module, attr), _student_call)}

@@ -5,7 +5,7 @@ Module ``verl.utils.fsdp_utils``:
   ``model.config.tie_word_embeddings`` is false) -> the ``fully_shard`` seam of
   ``fsdp2_compat.fixes.inline_selection``;
 - 0.7.1-0.9.1 call ``_select_fsdp2_wrap_targets(model, layer_cls)`` by global
-  name from ``apply_fsdp2`` -> replaced by ``select_verl`` below.
+  name from ``apply_fsdp2`` -> replaced by ``fsdp2_compat.fixes.selection.select_verl``.
 
 Callers import ``apply_fsdp2`` by name (``verl.workers.fsdp_workers``,
 ``verl.trainer.fsdp_sft_trainer``, ``verl.workers.engine.fsdp.*``); the engine
@@ -20,12 +20,16 @@ object / postdate 4.x's 3-row rotary ids -> ``fsdp2_compat.fixes.glm4v_forward``
 
 Upstream: SkyRL issue #2087 / PR #2088 (the selection rule), verl issue #4756 /
 PR #6659 (lm_head reads), verl issues #4095 / #6814 (GLM-4.1V forward failures).
-Fails safe: a release outside ``versions`` or code whose fingerprint is not
-listed is skipped with the reason and left untouched.
+Fails safe (``fsdp2_compat.core.policy``): the code decides, not the version.
+Code whose fingerprint is not listed is refused, with a warning naming the
+patch, the release and what to do, and left untouched; a release outside
+``versions`` whose code is a recorded release's is patched, and ``status``
+says it is outside the proven range (``FSDP2_COMPAT_STRICT=proven`` refuses it).
 Delete a target when ``fixed_in`` would cover every release you run.
 """
 
 from ..core.records import Integration, Target
+from ..fixes import GLM4V_FORWARD as GLM4V_FIX, VERL_LM_HEAD, VERL_MEDIA, WRAP_SELECTION as SELECTION
 
 FSDP_UTILS = "verl.utils.fsdp_utils"
 
@@ -47,7 +51,8 @@ WRAP_SELECTION_INLINE = Target(
     attr="apply_fsdp2",
     versions=">=0.4.0,<0.7.1",
     fingerprints={"0.4.0-0.5.0": "c1723289c3265bd0", "0.6.0-0.7.0": "26f7091741f9b7e0"},
-    seam="fsdp2_compat.fixes.inline_selection:seam",
+    fix=SELECTION,
+    via="inline loop",
     what="FSDP2 wrap selection (inline loop)",
     diff="wrap-selection",
     layout="wrap selection",
@@ -63,46 +68,13 @@ WRAP_SELECTION = Target(
     attr="_select_fsdp2_wrap_targets",
     versions=">=0.7.1,<=0.9.1",
     fingerprints={"0.7.1-0.9.1": "fc0a593bafb6050f"},
-    seam="fsdp2_compat.integrations.verl:selection_seam",
+    fix=SELECTION,
+    via="selection function",
     what="FSDP2 wrap selection",
     diff="wrap-selection",
     layout="wrap selection",
     declared={"<0.7.1": "the selection is inline in apply_fsdp2 (the WRAP_SELECTION_INLINE target)"},
 )
-
-# verl 0.7.1+ also gives ``embed_tokens`` / ``lm_head`` their own groups by
-# leaf name, because PEFT's ModulesToSaveWrapper hides the nn.Embedding type.
-# That part of verl's memory plan is kept as is.
-_VERL_NAMED = ("embed_tokens", "lm_head")
-
-
-def select_verl(model, layer_classes):
-    """verl's selection with auxiliary embeddings left in the root group.
-
-    Same as ``select_wrap_targets`` plus verl's by-name ``embed_tokens`` /
-    ``lm_head`` groups when the embeddings are untied (decided by identity).
-    """
-    from ..fixes.selection import embeddings_tied, select_wrap_targets
-
-    def by_name(name, module):
-        return name.rsplit(".", 1)[-1] in _VERL_NAMED and hasattr(module, "weight")
-
-    return select_wrap_targets(model, layer_classes, extra=None if embeddings_tied(model) else by_name)
-
-
-def selection_seam(module, attr):
-    import wrapt
-
-    from ..core import calls
-
-    signature = calls.signature_of(module, attr)  # (model, fsdp_transformer_layer_cls_to_wrap), fingerprinted
-
-    def _select_fsdp2_wrap_targets(wrapped, instance, args, kwargs):
-        return select_verl(signature.argument("model", instance, args, kwargs),
-                           signature.argument("fsdp_transformer_layer_cls_to_wrap", instance, args, kwargs))
-
-    return {attr: wrapt.FunctionWrapper(module.__dict__[attr], _select_fsdp2_wrap_targets)}
-
 
 # ---------------------------------------------------------------------------
 # verl's GLM-4.1V forward (``verl/models/transformers/glm4v.py``, 0.6.0+), installed by
@@ -121,7 +93,9 @@ GLM4V_FORWARD = (
         attr="_get_input_embeds",
         versions="==0.9.1",
         fingerprints={"0.6.0-0.7.1": "f2e8ade7673659c8", "0.8.0.dev0-0.9.1": "cddf133591ef1fd9"},
-        seam="fsdp2_compat.fixes.glm4v_forward:vision_output_seam",
+        fix=GLM4V_FIX,
+        via="vision output",
+        families=("glm4v",),
         what="GLM-4.1V forward (vision output object, transformers >= 5.0.0)",
         diff="glm4v-forward",
         declared=_NO_GLM4V,
@@ -132,7 +106,9 @@ GLM4V_FORWARD = (
         attr="process_position_ids",
         versions=">=0.7.0,<=0.8.0",
         fingerprints={"0.6.0-0.9.1": "bccfd50e9f69d2fe"},
-        seam="fsdp2_compat.fixes.glm4v_forward:position_ids_seam",
+        fix=GLM4V_FIX,
+        via="position ids",
+        families=("glm4v",),
         what="GLM-4.1V forward (4-row position ids, transformers < 5.0.0rc0)",
         diff="glm4v-forward",
         declared=_NO_GLM4V,
@@ -148,8 +124,6 @@ GLM4V_FORWARD = (
 # text-only micro-batch raises ``AttributeError: 'BaseModelOutputWithPooling' object has no attribute
 # 'mean'``; the same seam hands verl the ``pooler_output`` there (``glm4v_forward``'s rule).  Before 0.6.0
 # verl left the vision tower to transformers' forward (the mixed-ranks targets cover it).
-_BOTH_KINDS = ("verl's own Qwen-VL forwards (0.6.0+): a micro-batch with an image and a video runs the vision tower "
-               "twice, a rank with one kind once: FSDP2's collectives differ, NCCL **hangs**, gloo aborts")
 _NO_INPUT_EMBEDS = "no _get_input_embeds: verl's Qwen-VL forwards leave the vision tower to transformers' forward " \
                    "(covered by the mixed-ranks target)"
 QWEN2_VL_FORWARD = (
@@ -159,11 +133,12 @@ QWEN2_VL_FORWARD = (
         attr="_get_input_embeds",
         versions=">=0.7.0,<=0.9.1",
         fingerprints={"0.6.0-0.7.1": "bd15d2383d6b4d3b", "0.8.0.dev0-0.9.1": "b57eda559ec1a29a"},
-        seam="fsdp2_compat.fixes.verl_media:qwen2_vl_seam",
+        fix=VERL_MEDIA,
+        via="qwen2_vl",
+        families=("qwen2_vl", "qwen2_5_vl"),
         what="Qwen2-VL forward (images and videos: one tower call; transformers >= 5.0.0: the text-only "
              "dummy's vision output)",
         declared={"<0.6.0": _NO_INPUT_EMBEDS},
-        symptom=_BOTH_KINDS,
     ),
 )
 QWEN3_VL_FORWARD = (
@@ -173,10 +148,11 @@ QWEN3_VL_FORWARD = (
         attr="_get_input_embeds",
         versions=">=0.7.0,<=0.9.1",
         fingerprints={"0.6.0-0.7.1": "bb55f0bd8adf8d38", "0.8.0.dev0-0.9.1": "c9f220af46137281"},
-        seam="fsdp2_compat.fixes.verl_media:qwen3_vl_seam",
+        fix=VERL_MEDIA,
+        via="qwen3_vl",
+        families=("qwen3_vl", "qwen3_vl_moe"),
         what="Qwen3-VL forward (images and videos: one tower call)",
         declared={"<0.6.0": "no verl.models.transformers.qwen3_vl module"},
-        symptom=_BOTH_KINDS,
     ),
 )
 
@@ -190,9 +166,6 @@ QWEN3_VL_FORWARD = (
 # trap); the wrapper unshards ``lm_head`` through FSDP first, so upstream's
 # read sees a plain, full, param_dtype tensor.  See fsdp2_compat.fixes.gather.
 
-_READER = "fsdp2_compat.fixes.gather:lm_head_reader_seam"
-
-
 # Releases without the module (or whose module lost the forward), per verl model module.
 _FUSED_DECLARED = {
     "qwen3_vl": {"<0.6.0": "no verl.models.transformers.qwen3_vl module"},
@@ -205,6 +178,19 @@ _FUSED_DECLARED = {
 }
 
 
+# The model types each fused-forward module serves (verl serves GLM-4.5V / GLM-4.6V and every text model through
+# dense_common; before 0.6.0 Qwen2.5-VL had a module of its own).
+_FAMILIES = {
+    "qwen3_vl": ("qwen3_vl", "qwen3_vl_moe"),
+    "glm4v": ("glm4v",),
+    "qwen2_vl": ("qwen2_vl", "qwen2_5_vl"),
+    "qwen2_5_vl": ("qwen2_5_vl",),
+    "dense_common": ("glm4v_moe", "glm46v", "qwen2", "qwen3", "llama", "qwen3_moe", "qwen2_moe", "mixtral",
+                     "deepseek_v2", "deepseek_v3", "glm4_moe"),
+    "qwen3_5": ("qwen3_5", "qwen3_5_moe"),
+}
+
+
 def _fused(model_module, backend, versions, fingerprints):
     return Target(
         dist="verl",
@@ -212,7 +198,8 @@ def _fused(model_module, backend, versions, fingerprints):
         attr="forward_with_%s_backend" % backend,
         versions=versions,
         fingerprints=fingerprints,
-        seam=_READER,
+        fix=VERL_LM_HEAD,
+        families=_FAMILIES[model_module],
         what="fused forward reads lm_head.weight (%s backend)" % backend,
         diff="%s-lm-head" % model_module,
         declared=_FUSED_DECLARED[model_module],
@@ -291,3 +278,6 @@ QWEN3_5_FUSED = (
         "0.9.0-0.9.1": "86ad9675412832a6",
     }),
 )
+
+TARGETS = ((WRAP_SELECTION_INLINE, WRAP_SELECTION) + GLM4V_FORWARD + QWEN2_VL_FORWARD + QWEN3_VL_FORWARD + QWEN3_VL_FUSED
+           + GLM4V_FUSED + QWEN2_VL_FUSED + DENSE_FUSED + QWEN3_5_FUSED)

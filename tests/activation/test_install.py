@@ -10,6 +10,11 @@ torch); then that venv's ``fsdp2-compat status`` runs with
 ``FSDP2_COMPAT_PATCHES`` set, and reports the patches requested by the
 ``.pth`` bootstrap at interpreter start-up.  Skipped, with the reason, when
 the registry cannot be reached.
+
+The wheel holds the runtime alone: none of the harness that proves it (tiny
+model configs, CPU stand-ins for the frameworks' CUDA code, ``check`` /
+``audit``), and it stays under ``RUNTIME_LINES`` lines of Python; there
+``check`` says how to install the harness.
 """
 
 import importlib.util
@@ -24,6 +29,7 @@ import pytest
 DEPENDS_ON = ("python",)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RUNTIME_LINES = 9000  # the runtime wheel's Python, every line counted (issue #41: it was 16.3k with the harness)
 # What reaches the registry, so a failure there is a skip, not a bug of the package.
 OFFLINE = ("Could not find a version", "No matching distribution", "Failed to establish", "Temporary failure",
            "Network is unreachable", "connection", "timed out")
@@ -56,15 +62,15 @@ def clean_venv(tmp_path_factory):
     for name in ("pyproject.toml", "setup.py", "setup.cfg", "README.md", "LICENSE", "MANIFEST.in"):
         if os.path.exists(os.path.join(REPO, name)):
             shutil.copy2(os.path.join(REPO, name), src / name)
-    shutil.copytree(os.path.join(REPO, "fsdp2_compat"), src / "fsdp2_compat",
-                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    for name in ("fsdp2_compat", "harness"):  # the harness too: the runtime's build must leave it out by itself
+        shutil.copytree(os.path.join(REPO, name), src / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     _pip("wheel", "--no-deps", "-q", ".", "-w", "dist", cwd=str(src))
     [wheel] = [p for p in os.listdir(src / "dist") if p.endswith(".whl")]
     root = tmp_path_factory.mktemp("venv") / "clean"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True, capture_output=True)
     python = str(root / "bin" / "python")
     _pip("--python", python, "install", "-q", str(src / "dist" / wheel), cwd=str(src))
-    return root, wheel
+    return root, str(src / "dist" / wheel)
 
 
 def _in_venv(root, *cmd, **env):
@@ -82,6 +88,31 @@ def test_the_readme_built_wheel_is_pure_python_and_installs_only_its_declared_de
     assert eval(listed) == ["fsdp2-compat", "packaging", "wrapt"], listed
     where = _in_venv(root, "python", "-c", "import fsdp2_compat; print(fsdp2_compat.__file__)")
     assert where.startswith(str(root)), "fsdp2_compat came from %s, not the installed wheel" % where
+
+
+def test_the_wheel_holds_the_runtime_alone_under_its_line_budget(clean_venv):
+    import zipfile
+
+    root, wheel = clean_venv
+    with zipfile.ZipFile(wheel) as zf:
+        names = [n for n in zf.namelist() if not n.startswith("fsdp2_compat-")]  # (the .dist-info)
+        sources = {n: zf.read(n).decode("utf-8") for n in names if n.endswith(".py")}
+    assert all(n.startswith("fsdp2_compat/") or n.endswith(".pth") for n in names), names
+    harness = [n for n in names if n.split("/")[0] == "fsdp2_compat_harness" or "/tiny/" in n or "/engines/" in n
+               or n.endswith(("/cpu.py", "/configs.py", "/check.py", "/scenarios.py", "/_preload.py"))]
+    assert harness == [], "harness code in the runtime wheel: %s" % harness
+    stand_ins = [n for n, text in sources.items() if "flash_attn" in text or "PlatformRegistry" in text
+                 or "tiny_config" in text]
+    assert stand_ins == [], "CPU stand-ins or tiny models in the runtime wheel: %s" % stand_ins
+    lines = sum(text.count("\n") for text in sources.values())
+    assert lines < RUNTIME_LINES, "the runtime wheel holds %d lines of Python (budget %d)" % (lines, RUNTIME_LINES)
+
+
+def test_check_from_the_wheel_alone_says_how_to_install_the_harness(clean_venv):
+    root, _ = clean_venv
+    proc = subprocess.run([str(root / "bin" / "fsdp2-compat"), "check"], cwd=str(root), env=_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "pip install ./harness" in proc.stderr, proc.stdout + proc.stderr
 
 
 def test_status_from_the_installed_wheel_shows_the_bootstrap_requesting_the_patches(clean_venv):

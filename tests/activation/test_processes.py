@@ -2,9 +2,11 @@
 
 What is under test is what users install: a wheel is built from this working
 tree (``pip wheel``) and installed, not editable, into a fresh venv.  That venv
-holds only the wheel; torch, verl, ray, wrapt, packaging... are reached through
-a path line (``zzz_fsdp2_compat_test_host.pth``, processed after ours) pointing
-at this interpreter's site-packages, so the fsdp2-compat code, its ``.pth`` and
+holds only the wheel; torch, verl, ray, wrapt, packaging... and the harness (a
+distribution of its own, as ``pip install ./harness`` installs it beside the
+wheel) are reached through path lines (``zzz_fsdp2_compat_test_host.pth``,
+processed after ours) pointing at this interpreter's site-packages and the
+harness's folder, so the fsdp2-compat code, its ``.pth`` and
 its entry point are provably the installed ones (each child checks
 ``fsdp2_compat.__file__`` and the entry point's distribution path).  Children
 run with a scratch cwd and without PYTHONPATH, so the repository cannot leak in.
@@ -161,6 +163,11 @@ def _host_paths():
     for key in ("purelib", "platlib"):
         if paths[key] not in out:
             out.append(paths[key])
+    # The harness's folder (the children run its engines): an editable install's own .pth in site-packages is
+    # not processed through a path line.  Only fsdp2_compat_harness sits there, never the runtime's source.
+    spec = importlib.util.find_spec("fsdp2_compat_harness")
+    if spec is not None:
+        out.append(os.path.dirname(list(spec.submodule_search_locations)[0]))
     return out
 
 
@@ -496,7 +503,7 @@ elif mode == "unset":
 @ray.remote(num_cpus=0)
 class Probe:
     def run(self, frameworks):
-        from fsdp2_compat.tooling.scenarios import import_fsdp_utils
+        from fsdp2_compat_harness.scenarios import import_fsdp_utils
         before = report()
         errors = {}
         for fw in frameworks:
@@ -699,8 +706,8 @@ def test_torchrun_every_rank_applies(venv, tmp_path):
 
 ENGINE_CHILD = r"""
 import sys
-from fsdp2_compat.tooling.engines import common, verl_engine
-from fsdp2_compat.tooling.ranks import run_ranks
+from fsdp2_compat_harness.engines import common, verl_engine
+from fsdp2_compat_harness.ranks import run_ranks
 path = common.model_dir("glm4v", sys.argv[1])
 results = run_ranks(verl_engine.train_verl_engine, 2, "glm4v", path, sys.argv[2], timeout=540)
 emit({"results": results, "driver": report()})
@@ -710,11 +717,11 @@ GLM4V_FORWARD = "verl:verl.models.transformers.glm4v."
 
 def _engine_run(venv, tmp_path, mode, env):
     from fsdp2_compat.fixes import glm4v_forward
-    from fsdp2_compat.tooling.engines import common, verl_engine
+    from fsdp2_compat_harness.engines import common, verl_engine
 
-    runnable = verl_engine.runnable()
-    if runnable is not True:
-        pytest.skip(str(runnable))
+    unrunnable = verl_engine.unrunnable()
+    if unrunnable is not None:
+        pytest.skip(unrunnable)
     needed = glm4v_forward.adapted_for(guards.installed_version("transformers"))
     # The wrap-selection target of this release: its own function from 0.7.1, inline in apply_fsdp2 before.
     from fsdp2_compat.integrations import verl as verl_targets

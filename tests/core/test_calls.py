@@ -2,10 +2,10 @@
 
 A toy class method wrapped in a ``wrapt.FunctionWrapper`` exactly as the
 seams wrap upstream's, called every way a user's code calls a method
-(``tooling.conventions``, the same subclasses the integration proofs use): the
+(the harness's ``conventions``, the same subclasses the integration proofs use): the
 seam must find the same self and the same arguments each time.  And the
 ``missing`` contract: a WARNING naming the target and what was missing, an
-error under strict mode.  No torch: runs in the bare set.
+error under strict mode.  No torch: runs in the first set with the harness.
 """
 
 import logging
@@ -14,12 +14,13 @@ import types
 import pytest
 
 wrapt = pytest.importorskip("wrapt")
+pytest.importorskip("fsdp2_compat_harness", reason="needs the harness (its calling conventions)")
 
 import fsdp2_compat  # noqa: E402
 from fsdp2_compat.core import calls  # noqa: E402
-from fsdp2_compat.tooling.conventions import CONVENTIONS, adopt  # noqa: E402
+from fsdp2_compat_harness.conventions import CONVENTIONS, adopt  # noqa: E402
 
-DEPENDS_ON = ("wrapt",)
+DEPENDS_ON = ("wrapt", "fsdp2-compat-harness")
 
 
 class Engine:

@@ -1,11 +1,16 @@
-"""The package's shape, read from its source (no import of the package beyond this test's own).
+"""The packages' shape, read from their source (no import of them beyond this test's own).
+
+The runtime (``fsdp2_compat``, the wheel every training process loads) and
+the harness that proves it (``harness/fsdp2_compat_harness``, a distribution
+of its own):
 
 - no module over 500 lines;
-- no import circle between the package's modules (module-level and
-  function-level imports alike);
+- no import circle between their modules (module-level and function-level
+  imports alike);
 - the runtime core imports only the standard library and itself at module
   top (it runs at interpreter start-up);
-- nothing in the wheel imports the test-suite's helpers.
+- the runtime never imports the harness (``check`` / ``audit`` find it by name);
+- nothing in either imports the test-suite's helpers.
 """
 
 import ast
@@ -17,18 +22,20 @@ import pytest
 # The releases this module's outcome depends on: .ci/test runs it once per distinct set of them (.ci/matrix.py).
 DEPENDS_ON = ("python",)
 
-PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "fsdp2_compat")
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PACKAGES = (os.path.join(REPO, "fsdp2_compat"), os.path.join(REPO, "harness", "fsdp2_compat_harness"))
 MAX_LINES = 500
 
 
 def _modules():
-    """``{dotted name: path}`` of every module in the package."""
+    """``{dotted name: path}`` of every module in both packages."""
     out = {}
-    for base, _, files in os.walk(PACKAGE):
-        for f in files:
-            if f.endswith(".py"):
-                rel = os.path.relpath(os.path.join(base, f), os.path.dirname(PACKAGE))[:-3].replace(os.sep, ".")
-                out[rel[: -len(".__init__")] if rel.endswith(".__init__") else rel] = os.path.join(base, f)
+    for package in PACKAGES:
+        for base, _, files in os.walk(package):
+            for f in files:
+                if f.endswith(".py"):
+                    rel = os.path.relpath(os.path.join(base, f), os.path.dirname(package))[:-3].replace(os.sep, ".")
+                    out[rel[: -len(".__init__")] if rel.endswith(".__init__") else rel] = os.path.join(base, f)
     return out
 
 
@@ -57,6 +64,20 @@ def _imports(name, path, top_level_only=False):
                 if "%s.%s" % (mod, alias.name) in MODULES:
                     out.add("%s.%s" % (mod, alias.name))
     return out
+
+
+def test_every_relative_import_names_a_module_of_its_package():
+    """Function-level imports run late (a rank, a command): one that names no module fails only there."""
+    for name, path in MODULES.items():
+        tree = ast.parse(open(path, encoding="utf-8").read())
+        package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+                assert mod in MODULES, "%s: from %s%s import ... names no module" % (
+                    name, "." * node.level, node.module or "")
 
 
 def test_no_module_is_over_500_lines():
@@ -88,14 +109,17 @@ def test_no_import_circle_inside_the_package():
     assert cycles == []
 
 
-@pytest.mark.parametrize("name", sorted(n for n in MODULES if n.startswith("fsdp2_compat.core")) + [
-    "fsdp2_compat", "fsdp2_compat.auto", "fsdp2_compat.registry", "fsdp2_compat.activation.bootstrap"])
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if n.startswith(("fsdp2_compat.core", "fsdp2_compat.integrations")))
+                         + ["fsdp2_compat", "fsdp2_compat.auto", "fsdp2_compat.registry", "fsdp2_compat.fixes",
+                            "fsdp2_compat.activation.bootstrap"])
 def test_the_start_up_path_imports_only_the_standard_library_at_module_top(name):
+    """What ``import fsdp2_compat.auto`` loads: the core, the catalogue (registry, the fixes' declarations in
+    ``fixes/__init__``, the integrations' targets), never a fix's code (``fixes.<mechanism>``)."""
     stdlib = set(sys.stdlib_module_names)
     for mod in _imports(name, MODULES[name], top_level_only=True):
         assert mod.split(".")[0] in stdlib or mod.startswith("fsdp2_compat"), (name, mod)
         if mod.startswith("fsdp2_compat"):
-            assert not mod.startswith(("fsdp2_compat.tooling", "fsdp2_compat.fixes")), (name, mod)
+            assert not mod.startswith(("fsdp2_compat_harness", "fsdp2_compat.fixes.")), (name, mod)
 
 
 def test_the_wheel_holds_no_test_only_code():
@@ -103,3 +127,10 @@ def test_the_wheel_holds_no_test_only_code():
         for mod in _imports(name, path):
             assert mod.split(".")[0] not in ("tests", "support", "conftest"), (name, mod)
     assert not any(n.startswith("fsdp2_compat.examples") for n in MODULES)
+
+
+def test_the_runtime_never_imports_the_harness():
+    runtime = [n for n in MODULES if n.split(".")[0] == "fsdp2_compat"]
+    assert runtime and any(n.startswith("fsdp2_compat_harness.") for n in MODULES)
+    for name in runtime:
+        assert not any(m.split(".")[0] == "fsdp2_compat_harness" for m in _imports(name, MODULES[name])), name

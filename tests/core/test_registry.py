@@ -94,12 +94,12 @@ def test_a_transient_patch_can_be_registered_and_removed():
 
 
 def test_each_symptom_is_owned_once_and_reaches_every_patch_carrying_its_target():
-    owned = [t.symptom for t in registry.targets() if t.symptom]
+    owned = [registry.symptom(t) for t in registry.targets() if registry.symptom(t)]
     for p in registry.PATCHES:
         symptoms = registry.symptoms(p)
         assert len(symptoms) == len(set(symptoms))
         for t in p.targets:
-            if t.symptom:
-                assert t.symptom in symptoms
-                assert t.symptom not in p.summary, "%s repeats a symptom its target owns" % p.name
+            if registry.symptom(t):
+                assert registry.symptom(t) in symptoms
+                assert registry.symptom(t) not in p.summary, "%s repeats a symptom its target owns" % p.name
     assert owned  # TRL's reads, LLaMA-Factory's lookup, torch's accumulation

@@ -13,7 +13,7 @@ pytest.importorskip("torch", reason="needs torch")
 pytest.importorskip("transformers", reason="needs transformers (tiny models)")
 
 from fsdp2_compat.fixes import media_merge  # noqa: E402
-from fsdp2_compat.tooling import tiny  # noqa: E402
+from fsdp2_compat_harness import tiny  # noqa: E402
 
 DEPENDS_ON = ("torch", "transformers")
 
@@ -24,8 +24,8 @@ def _build(family):
         from support import accum_jobs
 
         return accum_jobs.tiny_qwen2_vl(), "qwen2_5_vl"  # Qwen2.5-VL's batches fit its geometry
-    if tiny.available(family) is not True:
-        pytest.skip(str(tiny.available(family)))
+    if tiny.unavailable(family) is not None:
+        pytest.skip(str(tiny.unavailable(family)))
     return tiny.quiet(tiny.build, family), family
 
 

@@ -5,7 +5,7 @@ import pytest
 nn = pytest.importorskip("torch.nn", reason="needs torch")
 pytest.importorskip("transformers", reason="needs transformers (tiny models)")
 
-from fsdp2_compat.tooling import tiny as tiny_models  # noqa: E402
+from fsdp2_compat_harness import tiny as tiny_models  # noqa: E402
 from fsdp2_compat.fixes.selection import (  # noqa: E402
     auxiliary_embeddings,
     embeddings_tied,
@@ -53,8 +53,8 @@ def test_glm4v_auxiliary_embedding_stays_out():
 
 
 def test_nested_layer_class_is_left_to_its_selected_ancestor():
-    if tiny_models.available("qwen2_audio") is not True:
-        pytest.skip(str(tiny_models.available("qwen2_audio")))
+    if tiny_models.unavailable("qwen2_audio") is not None:
+        pytest.skip(str(tiny_models.unavailable("qwen2_audio")))
     model = tiny_models.build("qwen2_audio")
     chosen = names(model, select_wrap_targets(model, ["Qwen2AudioEncoderLayer", "Qwen2AudioAttention", "Qwen2DecoderLayer"]))
     # audio_tower.layers.0, or model.audio_tower.layers.0 from transformers 5.10

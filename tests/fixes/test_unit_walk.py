@@ -27,7 +27,7 @@ import pytest
 pytest.importorskip("torch", reason="needs torch (real FSDP2 on CPU gloo)")
 pytest.importorskip("transformers", reason="needs transformers (tiny models)")
 
-from fsdp2_compat.tooling.ranks import run_ranks  # noqa: E402
+from fsdp2_compat_harness.ranks import run_ranks  # noqa: E402
 from support import mixed_jobs, walk_jobs  # noqa: E402
 
 DEPENDS_ON = ("torch", "transformers")
@@ -110,12 +110,12 @@ CONFIGS = [(f, None) for f in FAMILIES + tuple(NOT_WALKED)] + [(f, gc) for f in 
 
 
 def _runnable(family):
-    from fsdp2_compat.tooling import tiny
+    from fsdp2_compat_harness import tiny
 
     if NO_FRAMEWORK:
         return NO_FRAMEWORK
-    reason = tiny.wrappable(family)
-    return str(reason) if reason is not True else mixed_jobs.cannot_wrap(FRAMEWORK, family)
+    reason = tiny.unwrappable(family)
+    return str(reason) if reason else mixed_jobs.cannot_wrap(FRAMEWORK, family)
 
 
 def _families():

@@ -13,7 +13,7 @@ pytest.importorskip("torch", reason="needs torch")
 pytest.importorskip("transformers", reason="needs transformers (tiny models)")
 
 from fsdp2_compat.fixes import media_merge, verl_media  # noqa: E402
-from fsdp2_compat.tooling import tiny  # noqa: E402
+from fsdp2_compat_harness import tiny  # noqa: E402
 
 DEPENDS_ON = ("torch", "transformers")
 
@@ -33,8 +33,8 @@ def _floats(value):
 
 
 def _setup(family):
-    if tiny.available(family) is not True:
-        pytest.skip(str(tiny.available(family)))
+    if tiny.unavailable(family) is not None:
+        pytest.skip(str(tiny.unavailable(family)))
     model = tiny.quiet(tiny.build, family)
     batch = tiny.make_batch(family, model, seed=5, media=("image", "video"))
     visual = model.model.visual

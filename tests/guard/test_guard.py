@@ -17,7 +17,7 @@ pytest.importorskip("transformers", reason="needs transformers (tiny models)")
 
 from support import guard_jobs  # noqa: E402
 
-from fsdp2_compat.tooling.ranks import RankError, run_ranks  # noqa: E402
+from fsdp2_compat_harness.ranks import RankError, run_ranks  # noqa: E402
 
 DEPENDS_ON = ("torch", "transformers")
 
@@ -37,7 +37,7 @@ def _ranks(tmp_path, case, guard_on, patches=None):
 
 
 def _moe_available():
-    from fsdp2_compat.tooling import tiny
+    from fsdp2_compat_harness import tiny
 
     if "qwen3_moe" not in getattr(getattr(tiny, "moe", None), "CLASSES", {}):
         return "no tiny qwen3_moe in this checkout"

@@ -31,8 +31,8 @@ pytest.importorskip("datasets", reason="needs datasets (the Trainer's dataset)")
 from fsdp2_compat import registry  # noqa: E402
 from fsdp2_compat.core import engine, guards, policy  # noqa: E402
 from fsdp2_compat.integrations import accelerate as acc_integration  # noqa: E402
-from fsdp2_compat.tooling.ranks import run_ranks  # noqa: E402
-from fsdp2_compat.tooling import accelerate_scenarios  # noqa: E402
+from fsdp2_compat_harness.ranks import run_ranks  # noqa: E402
+from fsdp2_compat_harness import accelerate_scenarios  # noqa: E402
 from support import accelerate_jobs  # noqa: E402
 
 DEPENDS_ON = ("torch", "transformers", "accelerate", "trl")

@@ -20,7 +20,7 @@ pytest.importorskip("torch", reason="needs torch (real FSDP2 on CPU gloo)")
 
 from fsdp2_compat.core import engine, guards, policy  # noqa: E402
 from fsdp2_compat.integrations import torch_fsdp  # noqa: E402
-from fsdp2_compat.tooling.ranks import run_ranks  # noqa: E402
+from fsdp2_compat_harness.ranks import run_ranks  # noqa: E402
 from support import accum_jobs  # noqa: E402
 
 DEPENDS_ON = ("torch", "transformers", "accelerate", "trl")

@@ -6,7 +6,7 @@ Through axolotl's released code (``patch_accelerate_fsdp2``: its
 embedding kernels) on a tiny Qwen2 turned PEFT DoRA model (every projection and
 the input embedding), 2 CPU gloo ranks with different data, against an
 unsharded reference with the same kernels trained on the data-parallel average
-(fp32, 1e-5; ``fsdp2_compat/tooling/engines/axolotl.py``).  The one stand-in is
+(fp32, 1e-5; ``harness/fsdp2_compat_harness/engines/axolotl.py``).  The one stand-in is
 ``trl_scenarios.cpu_fsdp`` (accelerate selects FSDP only for GPU-like devices).
 
 Unpatched (axolotl 0.19.0): at the first step, on identical parameters, the
@@ -50,8 +50,8 @@ pytest.importorskip("axolotl", reason="needs axolotl (the code under test: set t
 from fsdp2_compat import registry  # noqa: E402
 from fsdp2_compat.core import guards  # noqa: E402
 from fsdp2_compat.integrations import axolotl as ax_integration  # noqa: E402
-from fsdp2_compat.tooling.engines import axolotl as axolotl_jobs  # noqa: E402
-from fsdp2_compat.tooling.ranks import run_ranks  # noqa: E402
+from fsdp2_compat_harness.engines import axolotl as axolotl_jobs  # noqa: E402
+from fsdp2_compat_harness.ranks import run_ranks  # noqa: E402
 
 DEPENDS_ON = ("torch", "transformers", "accelerate", "peft", "axolotl", "liger-kernel", "trl", "datasets")
 

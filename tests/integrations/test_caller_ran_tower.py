@@ -20,8 +20,8 @@ import pytest
 pytest.importorskip("torch", reason="needs torch (real FSDP2 on CPU gloo)")
 pytest.importorskip("transformers", reason="needs transformers (tiny models)")
 
-from fsdp2_compat.tooling import tiny  # noqa: E402
-from fsdp2_compat.tooling.ranks import run_ranks  # noqa: E402
+from fsdp2_compat_harness import tiny  # noqa: E402
+from fsdp2_compat_harness.ranks import run_ranks  # noqa: E402
 from support.caller_tower_jobs import caller_ran_tower  # noqa: E402
 
 # The releases this module's outcome depends on: .ci/test runs it once per distinct set of them (.ci/matrix.py).

@@ -23,9 +23,9 @@ FSDP2 = pytest.importorskip("llamafactory.v1.plugins.trainer_plugins.distributed
                             reason="needs LLaMA-Factory >= 0.9.5 (its v1 FSDP2 engine)")
 
 import fsdp2_compat  # noqa: E402
-from fsdp2_compat.tooling import tiny as tiny_models  # noqa: E402
-from fsdp2_compat.tooling.conventions import CONVENTIONS  # noqa: E402
-from fsdp2_compat.tooling.ranks import run_ranks  # noqa: E402
+from fsdp2_compat_harness import tiny as tiny_models  # noqa: E402
+from fsdp2_compat_harness.conventions import CONVENTIONS  # noqa: E402
+from fsdp2_compat_harness.ranks import run_ranks  # noqa: E402
 from support.rank_jobs import lf_call_forms  # noqa: E402
 
 DEPENDS_ON = ("torch", "transformers", "llamafactory")

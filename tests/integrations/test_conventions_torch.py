@@ -20,8 +20,8 @@ import pytest
 pytest.importorskip("torch", reason="needs torch (real FSDP2 on CPU gloo)")
 
 from fsdp2_compat.core import guards  # noqa: E402
-from fsdp2_compat.tooling.conventions import CONVENTIONS  # noqa: E402
-from fsdp2_compat.tooling.ranks import run_ranks  # noqa: E402
+from fsdp2_compat_harness.conventions import CONVENTIONS  # noqa: E402
+from fsdp2_compat_harness.ranks import run_ranks  # noqa: E402
 from support import accum_jobs  # noqa: E402
 
 DEPENDS_ON = ("torch",)

@@ -22,9 +22,9 @@ pytest.importorskip("trl", reason="needs trl (the code under test)")
 pytest.importorskip("accelerate", reason="needs accelerate (TRL's FSDP2 preparation)")
 
 from fsdp2_compat.core import guards  # noqa: E402
-from fsdp2_compat.tooling.conventions import CONVENTIONS  # noqa: E402
-from fsdp2_compat.tooling.ranks import run_ranks  # noqa: E402
-from fsdp2_compat.tooling.trl_scenarios import train_trl  # noqa: E402
+from fsdp2_compat_harness.conventions import CONVENTIONS  # noqa: E402
+from fsdp2_compat_harness.ranks import run_ranks  # noqa: E402
+from fsdp2_compat_harness.trl_scenarios import train_trl  # noqa: E402
 from support import trl_jobs  # noqa: E402
 
 DEPENDS_ON = ("torch", "transformers", "accelerate", "trl")

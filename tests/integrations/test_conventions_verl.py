@@ -24,9 +24,9 @@ from fsdp2_compat.core import guards  # noqa: E402
 if guards.installed_version("verl") is None:  # (not importorskip: ``import verl`` costs seconds per worker)
     pytest.skip("needs verl (the code under test)", allow_module_level=True)
 
-from fsdp2_compat.tooling.conventions import CONVENTIONS  # noqa: E402
-from fsdp2_compat.tooling.ranks import run_ranks  # noqa: E402
-from fsdp2_compat.tooling.scenarios import train_fused  # noqa: E402
+from fsdp2_compat_harness.conventions import CONVENTIONS  # noqa: E402
+from fsdp2_compat_harness.ranks import run_ranks  # noqa: E402
+from fsdp2_compat_harness.scenarios import train_fused  # noqa: E402
 
 DEPENDS_ON = ("torch", "transformers", "verl")
 
@@ -55,7 +55,7 @@ def test_selection_seam_reads_its_arguments_by_keyword_too():
     import fsdp2_compat
     from verl.utils import fsdp_utils
 
-    from fsdp2_compat.tooling import tiny as tiny_models
+    from fsdp2_compat_harness import tiny as tiny_models
 
     model = tiny_models.build("glm4v", tie=False)
     layers = sorted(model._no_split_modules)

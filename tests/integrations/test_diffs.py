@@ -29,8 +29,6 @@ import pytest
 from fsdp2_compat import integrations, registry
 from fsdp2_compat.core import engine, guards
 from fsdp2_compat.integrations import trl as trl_integration
-from fsdp2_compat.tooling import rank_server
-from fsdp2_compat.tooling.scenarios import tie_flag_refusal
 from support import diffs, releases
 from support import oracle as oracle_jobs
 
@@ -256,9 +254,9 @@ REAL_FAMILIES = ["qwen3_vl", "qwen2", "glm4v"]  # through verl's own apply_monke
 
 
 def _families():
-    from fsdp2_compat.tooling import tiny
+    from fsdp2_compat_harness import tiny
 
-    return [f for f in tiny.FAMILIES if tiny.available(f) is True]
+    return [f for f in tiny.FAMILIES if tiny.unavailable(f) is None]
 
 
 def _fused_modules(version):
@@ -314,6 +312,8 @@ def oracle(tmp_path_factory):
             diffs.apply_diff(os.path.join(REPO, path), tree, label="%s %s (installed copy)" % (dist, version),
                              exact=not files & patched_files)
             patched_files |= files
+    from fsdp2_compat_harness import rank_server
+
     env = dict(os.environ)
     # rank_server.ENV too: the source side's ranks must import the patched tree, not fork from a server
     # that preloaded the installed packages.
@@ -365,7 +365,8 @@ def test_patched_source_wraps_the_same_units_as_the_runtime_patch(oracle, framew
     assert set(source["units"]) == {"%s/%s" % (f, t) for f in families for t in oracle_jobs.tie_variants(f)}
     # One known difference: a config without a top-level tie_word_embeddings (Step-3.7). The diff
     # replaces the loop that reads it; the runtime seam keeps upstream's loop, which raises.
-    from fsdp2_compat.tooling import tiny
+    from fsdp2_compat_harness import tiny
+    from fsdp2_compat_harness.scenarios import tie_flag_refusal
 
     refused = set()
     for f in families:

@@ -290,7 +290,7 @@ def test_status_shows_glm4v_applied_for_every_installed_framework(warm_python):
         import fsdp2_compat
         from fsdp2_compat import integrations
         from fsdp2_compat.core import guards
-        from fsdp2_compat.tooling.scenarios import import_fsdp_utils
+        from fsdp2_compat_harness.scenarios import import_fsdp_utils
         fsdp2_compat.apply("glm4v")
         installed = [i.dist for i in integrations.wrapping() if guards.installed_version(i.dist)]
         for fw in installed:

@@ -40,7 +40,7 @@ pytest.importorskip("transformers", reason="needs transformers (tiny models)")
 
 from fsdp2_compat import integrations, registry  # noqa: E402
 from fsdp2_compat.core import guards  # noqa: E402
-from fsdp2_compat.tooling.ranks import run_ranks  # noqa: E402
+from fsdp2_compat_harness.ranks import run_ranks  # noqa: E402
 from support import accum_jobs  # noqa: E402
 
 # The releases this module's outcome depends on: .ci/test runs it once per distinct set of them (.ci/matrix.py).
@@ -261,12 +261,12 @@ def _fused_param(family, patch, steps, needs):
     if VERL is None or not guards.in_range(VERL, needs):
         reason = "needs verl %s (its %s fused forward)" % (needs, family)
     else:
-        from fsdp2_compat.tooling import tiny
+        from fsdp2_compat_harness import tiny
 
         if family == "qwen3_5" and not tiny.exports("Qwen3_5ForConditionalGeneration"):
             reason = "transformers %s has no Qwen3_5ForConditionalGeneration" % guards.installed_version("transformers")
-        elif family != "qwen3_5" and tiny.available(family) is not True:
-            reason = str(tiny.available(family))
+        elif family != "qwen3_5" and tiny.unavailable(family) is not None:
+            reason = str(tiny.unavailable(family))
     marks = [pytest.mark.xdist_group("accum-fused-%s" % family)]
     if reason:
         marks.append(pytest.mark.skip(reason=reason))

@@ -19,7 +19,7 @@ pytest.importorskip("torch", reason="needs torch (real FSDP2 on CPU gloo)")
 pytest.importorskip("transformers", reason="needs transformers (tiny models)")
 
 from fsdp2_compat.core import guards  # noqa: E402
-from fsdp2_compat.tooling.ranks import run_ranks  # noqa: E402
+from fsdp2_compat_harness.ranks import run_ranks  # noqa: E402
 from support import accum_jobs  # noqa: E402
 from support.release_jobs import first  # noqa: E402
 

@@ -14,7 +14,7 @@ and rank 1 text only, then the reverse (different data per rank):
   data-parallel average, the text-only rank ran one dummy tower call per
   text-only micro-batch and the image rank none.
 
-The CUDA-only kernels it calls have stand-ins named in ``fsdp2_compat.tooling.engines.lmms_forwards``.
+The CUDA-only kernels it calls have stand-ins named in ``fsdp2_compat_harness.engines.lmms_forwards``.
 GLM-4.1V has no lmms-engine forward: it runs transformers' through lmms-engine's
 ``apply_fsdp2``, proven with a text-only rank in ``test_mixed_ranks.py``.
 """
@@ -107,8 +107,8 @@ def test_lmms_engine_qwen2_5_vl_forward_says_its_image_and_video_tower_calls_are
     import warnings
 
     from fsdp2_compat.fixes import media_merge
-    from fsdp2_compat.tooling import frameworks, tiny
-    from fsdp2_compat.tooling.engines import lmms_forwards
+    from fsdp2_compat_harness import frameworks, tiny
+    from fsdp2_compat_harness.engines import lmms_forwards
 
     frameworks.import_fsdp_utils("lmms-engine")
     restore = lmms_forwards.install_own_forwards("qwen2_5_vl")

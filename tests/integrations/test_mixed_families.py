@@ -93,7 +93,7 @@ FRAMEWORK, NO_FRAMEWORK = mixed_jobs.generic_framework()
 
 def _runnable():
     """``{family: None or the reason it cannot run here}``."""
-    from fsdp2_compat.tooling import tiny
+    from fsdp2_compat_harness import tiny
 
     out = {}
     for family in FAMILIES:
@@ -103,8 +103,8 @@ def _runnable():
 
             if not hasattr(transformers, TEST_ONLY_CLASS[family]):
                 reason = "transformers %s has no %s" % (transformers.__version__, TEST_ONLY_CLASS[family])
-        elif reason is None and tiny.wrappable(family) is not True:
-            reason = str(tiny.wrappable(family))
+        elif reason is None and tiny.unwrappable(family) is not None:
+            reason = str(tiny.unwrappable(family))
         if reason is None:
             reason = mixed_jobs.cannot_wrap(FRAMEWORK, family)
         out[family] = reason
@@ -208,10 +208,10 @@ def test_a_tower_the_fix_cannot_serve_is_left_alone_and_the_fix_says_why(family)
     import torch
 
     from fsdp2_compat.fixes import mixed_media
-    from fsdp2_compat.tooling import tiny
+    from fsdp2_compat_harness import tiny
 
-    if tiny.available(family) is not True:
-        pytest.skip(str(tiny.available(family)))
+    if tiny.unavailable(family) is not None:
+        pytest.skip(str(tiny.unavailable(family)))
     model = tiny.quiet(tiny.build, family)
     base = model.model
     assert mixed_media.unknown_tower(base) is None

@@ -33,7 +33,7 @@ pytest.importorskip("transformers", reason="needs transformers (tiny models)")
 
 from fsdp2_compat import integrations, registry  # noqa: E402
 from fsdp2_compat.core import guards  # noqa: E402
-from fsdp2_compat.tooling.ranks import RankError, run_ranks  # noqa: E402
+from fsdp2_compat_harness.ranks import RankError, run_ranks  # noqa: E402
 from support import accum_jobs, mixed_jobs  # noqa: E402
 
 DEPENDS_ON = ("torch", "transformers", "{framework}")
@@ -56,7 +56,7 @@ TRL = guards.installed_version("trl")
 
 
 def _params():
-    from fsdp2_compat.tooling import tiny
+    from fsdp2_compat_harness import tiny
 
     wrappers = [(i.dist, None if guards.installed_version(i.dist) else "%s not in this pinned set" % i.dist)
                 for i in integrations.wrapping()]
@@ -102,11 +102,11 @@ def _patched(framework, family):
     """Every family's patched cases of one framework, in one pair of rank processes."""
     key = ("patched", framework)
     if key not in _RESULTS:
-        from fsdp2_compat.tooling import tiny
+        from fsdp2_compat_harness import tiny
 
         # The families whose tests run: a tiny family upstream cannot wrap here is skipped at setup (wrappable mark).
         families = [f for f in FAMILIES
-                    if (framework, f) in RUNNABLE and (not _tiny_family(f) or tiny.wrappable(f) is True)]
+                    if (framework, f) in RUNNABLE and (not _tiny_family(f) or tiny.unwrappable(f) is None)]
         cases = [(name, "user", name.split()[0], name.split()[1], STEPS if name.endswith("every") else ACCUM_STEPS)
                  for name in PATCHED_CASES]
         per_rank = run_ranks(mixed_jobs.per_family, 2, framework, families, cases, timeout=300)
@@ -209,8 +209,8 @@ def test_one_process_gets_no_dummy_and_status_says_why():
     import fsdp2_compat
     from fsdp2_compat.core import engine
     from fsdp2_compat.fixes import mixed_media
-    from fsdp2_compat.tooling import tiny
-    from fsdp2_compat.tooling.tiny.text import text_only
+    from fsdp2_compat_harness import tiny
+    from fsdp2_compat_harness.tiny.text import text_only
 
     fsdp2_compat.apply("qwen2vl")
     model = tiny.build("qwen2_5_vl")
@@ -240,7 +240,7 @@ def test_status_says_not_needed_where_verl_installed_its_own_forward(warm_python
     out = warm_python("""
         import fsdp2_compat
         fsdp2_compat.apply("qwen2vl")
-        from fsdp2_compat.tooling import tiny
+        from fsdp2_compat_harness import tiny
         from verl.models.transformers.monkey_patch import apply_monkey_patch
         model = tiny.build("qwen2_5_vl")
         def row():

@@ -1,6 +1,6 @@
 """ms-swift 4.6.0 with ``--fsdp fsdp2``: its own loader and templates, a text-only rank against a media rank.
 
-Through ms-swift's released code (``fsdp2_compat/tooling/engines/ms_swift.py``: its ``ModelLoader`` subclasses
+Through ms-swift's released code (``harness/fsdp2_compat_harness/engines/ms_swift.py``: its ``ModelLoader`` subclasses
 build the model from a saved tiny checkpoint, its templates' ``register_post_encode_hook`` runs ``_post_encode``
 before every forward) on accelerate's real FSDP2 preparation (``TRANSFORMER_BASED_WRAP``), 2 CPU gloo ranks,
 different data per rank, against an unsharded reference loaded the same way and trained on the data-parallel average
@@ -33,8 +33,8 @@ pytest.importorskip("swift", reason="needs ms-swift (the code under test: set sw
 from fsdp2_compat import registry  # noqa: E402
 from fsdp2_compat.core import guards  # noqa: E402
 from fsdp2_compat.integrations import ms_swift  # noqa: E402
-from fsdp2_compat.tooling.ranks import RankError, run_ranks  # noqa: E402
-from fsdp2_compat.tooling.engines import ms_swift as swift_engine  # noqa: E402
+from fsdp2_compat_harness.ranks import RankError, run_ranks  # noqa: E402
+from fsdp2_compat_harness.engines import ms_swift as swift_engine  # noqa: E402
 
 DEPENDS_ON = ("torch", "transformers", "accelerate", "ms-swift")
 

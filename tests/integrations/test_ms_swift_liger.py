@@ -1,6 +1,6 @@
 """ms-swift 4.6.0's Liger losses (GRPO, GKD) on accelerate's FSDP2, where ``lm_head`` is a unit of its own.
 
-Through ms-swift's released trainer code (``fsdp2_compat/tooling/engines/ms_swift.py``; GKD:
+Through ms-swift's released trainer code (``harness/fsdp2_compat_harness/engines/ms_swift.py``; GKD:
 ``support/swift_rl_jobs.py``), 2 CPU gloo ranks, different data, against an unsharded reference on the
 data-parallel average (fp32, 1e-5).  accelerate >= 1.14 gives the
 untied output embedding a tail unit ``[final norm, lm_head]``; a VLM's base model has no final norm among its
@@ -34,7 +34,7 @@ pytest.importorskip("liger_kernel", reason="needs liger-kernel (the chunked loss
 
 from fsdp2_compat import registry  # noqa: E402
 from fsdp2_compat.core import guards  # noqa: E402
-from fsdp2_compat.tooling.ranks import run_ranks  # noqa: E402
+from fsdp2_compat_harness.ranks import run_ranks  # noqa: E402
 from support import swift_rl_jobs  # noqa: E402  (GKD; GRPO: tooling.engines.ms_swift)
 
 DEPENDS_ON = ("torch", "transformers", "accelerate", "ms-swift", "trl", "liger-kernel")

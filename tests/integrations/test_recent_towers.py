@@ -15,7 +15,7 @@ pytest.importorskip("torch", reason="needs torch (real FSDP2 on CPU gloo)")
 pytest.importorskip("transformers", reason="needs transformers (the towers)")
 
 from fsdp2_compat.core import guards  # noqa: E402
-from fsdp2_compat.tooling.ranks import run_ranks  # noqa: E402
+from fsdp2_compat_harness.ranks import run_ranks  # noqa: E402
 from support import tower_jobs  # noqa: E402
 
 DEPENDS_ON = ("transformers", "torch")

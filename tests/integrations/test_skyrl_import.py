@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(
 
 SCRIPT = """
 import json, sys
-from fsdp2_compat.tooling.scenarios import import_fsdp_utils
+from fsdp2_compat_harness.scenarios import import_fsdp_utils
 fsdp_utils = import_fsdp_utils("skyrl")
 pkg = sys.modules["skyrl.backends"]
 print(json.dumps({

@@ -1,6 +1,6 @@
 """SkyRL's own FSDPStrategy + HFModelWrapper, end to end on 2 CPU gloo ranks.
 
-``fsdp2_compat.tooling.engines.skyrl_strategy``: the strategy and model wrapper
+``fsdp2_compat_harness.engines.skyrl_strategy``: the strategy and model wrapper
 as SkyRL's FSDP policy worker drives them (meta init on rank 1, ``prepare``,
 ``backward`` per micro-batch, ``optimizer_step`` with SkyRL's AdamW), a tiny
 model loaded from a saved directory, different data on each rank.  Unpatched,
@@ -31,16 +31,16 @@ pytest.importorskip("torch", reason="needs torch (real FSDP2 on CPU gloo)")
 pytest.importorskip("transformers", reason="needs transformers (tiny models)")
 
 from fsdp2_compat import registry  # noqa: E402
-from fsdp2_compat.tooling import tiny as tiny_models  # noqa: E402
-from fsdp2_compat.tooling.engines import common, skyrl_strategy  # noqa: E402
-from fsdp2_compat.tooling.ranks import RankError, run_ranks  # noqa: E402
+from fsdp2_compat_harness import tiny as tiny_models  # noqa: E402
+from fsdp2_compat_harness.engines import common, skyrl_strategy  # noqa: E402
+from fsdp2_compat_harness.ranks import RankError, run_ranks  # noqa: E402
 from support import mixed_jobs  # noqa: E402
 
 # The releases this module's outcome depends on: .ci/test runs it once per distinct set of them (.ci/matrix.py).
 DEPENDS_ON = ("torch", "transformers", "skyrl")
 
-RUNNABLE = skyrl_strategy.runnable()
-pytestmark = pytest.mark.skipif(RUNNABLE is not True, reason=str(RUNNABLE))
+RUNNABLE = skyrl_strategy.unrunnable()
+pytestmark = pytest.mark.skipif(RUNNABLE is not None, reason=str(RUNNABLE))
 
 TOL = 1e-5
 # How SkyRL's strategy fails unpatched (observed); absent: trains correctly as released.

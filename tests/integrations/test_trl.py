@@ -23,8 +23,8 @@ pytest.importorskip("accelerate", reason="needs accelerate (TRL's FSDP2 preparat
 from fsdp2_compat import registry  # noqa: E402
 from fsdp2_compat.core import engine, guards, policy  # noqa: E402
 from fsdp2_compat.integrations import trl as trl_integration  # noqa: E402
-from fsdp2_compat.tooling.ranks import run_ranks  # noqa: E402
-from fsdp2_compat.tooling.trl_scenarios import train_trl  # noqa: E402
+from fsdp2_compat_harness.ranks import run_ranks  # noqa: E402
+from fsdp2_compat_harness.trl_scenarios import train_trl  # noqa: E402
 from support import trl_jobs  # noqa: E402
 
 # The releases this module's outcome depends on: .ci/test runs it once per distinct set of them (.ci/matrix.py).
@@ -158,7 +158,7 @@ def test_patch_rebinds_callers_keeps_a_bound_method_and_reverts(warm_python):
         from fsdp2_compat.core import engine
         import trl.trainer.sft_trainer as sft, trl.trainer.utils as utils
         original = utils.add_fused_lm_head
-        from fsdp2_compat.tooling import tiny
+        from fsdp2_compat_harness import tiny
         plain = tiny.build("qwen3_vl"); original(plain)
         fsdp2_compat.apply("qwen3vl")
         import trl.trainer.distillation_trainer as dt

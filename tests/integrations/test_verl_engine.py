@@ -1,6 +1,6 @@
 """verl's own FSDP training engine (0.7, 0.8, 0.9), end to end on 2 CPU gloo ranks: the bug and the fix where users meet them.
 
-``fsdp2_compat.tooling.engines.verl_engine``: ``EngineRegistry.new("language_model",
+``fsdp2_compat_harness.engines.verl_engine``: ``EngineRegistry.new("language_model",
 "fsdp2")`` -> ``FSDPEngineWithLMHead``, a tiny model loaded from a saved
 directory, verl's SFT batches (different samples on each rank) through
 ``forward_backward_batch`` + ``optimizer_step`` and ``train_batch``, plain and
@@ -32,17 +32,17 @@ from fsdp2_compat import registry  # noqa: E402
 from fsdp2_compat.core import guards  # noqa: E402
 from fsdp2_compat.fixes import glm4v_forward  # noqa: E402
 from fsdp2_compat.integrations import verl as verl_targets  # noqa: E402
-from fsdp2_compat.tooling import tiny as tiny_models  # noqa: E402
-from fsdp2_compat.tooling.engines import FAMILIES, common, verl_engine  # noqa: E402
-from fsdp2_compat.tooling.mixed import gloo_error  # noqa: E402
-from fsdp2_compat.tooling.ranks import RankError, run_ranks  # noqa: E402
+from fsdp2_compat_harness import tiny as tiny_models  # noqa: E402
+from fsdp2_compat_harness.engines import FAMILIES, common, verl_engine  # noqa: E402
+from fsdp2_compat_harness.mixed import gloo_error  # noqa: E402
+from fsdp2_compat_harness.ranks import RankError, run_ranks  # noqa: E402
 from support import mixed_jobs  # noqa: E402
 
 # The releases this module's outcome depends on: .ci/test runs it once per distinct set of them (.ci/matrix.py).
 DEPENDS_ON = ("torch", "transformers", "verl")
 
-RUNNABLE = verl_engine.runnable()
-pytestmark = pytest.mark.skipif(RUNNABLE is not True, reason=str(RUNNABLE))
+RUNNABLE = verl_engine.unrunnable()
+pytestmark = pytest.mark.skipif(RUNNABLE is not None, reason=str(RUNNABLE))
 VERL = guards.installed_version("verl")
 TRANSFORMERS = guards.installed_version("transformers")
 # verl 0.7 / 0.8's engine cannot run fused kernels without remove_padding (flash-attn): its sft_loss calls
@@ -82,11 +82,11 @@ PATCHED = [s for s in SCENARIOS if s in UPSTREAM_FAILURE or s[1] == "fused" or s
 
 
 def _scenario(family, mode):
-    reason = tiny_models.wrappable(family)
-    if reason is True and mode == "fused" and not FUSED_RUNS:
+    reason = tiny_models.unwrappable(family)
+    if reason is None and mode == "fused" and not FUSED_RUNS:
         reason = "verl %s's engine runs fused kernels only with remove_padding (flash-attn, CUDA)" % VERL
     return pytest.param(family, mode, id="%s-%s" % (family, mode),
-                        marks=pytest.mark.skipif(reason is not True, reason=str(reason)))
+                        marks=pytest.mark.skipif(reason is not None, reason=str(reason)))
 
 
 @pytest.fixture(scope="module")
@@ -224,7 +224,7 @@ def _run_mixed_or_raise(model_dirs, family, patches, **kwargs):
                      pg_timeout=MIXED_PG_TIMEOUT)
 
 
-@pytest.mark.skipif(tiny_models.wrappable("qwen2_5_vl") is not True, reason=str(tiny_models.wrappable("qwen2_5_vl")))
+@pytest.mark.skipif(tiny_models.unwrappable("qwen2_5_vl") is not None, reason=str(tiny_models.unwrappable("qwen2_5_vl")))
 def test_mixed_text_and_image_ranks_on_verls_own_forward_need_only_its_dummy_fixed(model_dirs):
     """verl's Qwen2-VL / Qwen2.5-VL forward runs its own dummy vision forward on text-only samples.
 

@@ -1,6 +1,6 @@
 """The wrap-selection fix, proven on real FSDP2 through each framework's own entry point.
 
-Each framework shards as its trainer does (``fsdp2_compat.tooling.frameworks.shard``):
+Each framework shards as its trainer does (``fsdp2_compat_harness.frameworks.shard``):
 verl / SkyRL ``apply_fsdp2``, AReaL ``parallelize_model``, LLaMA-Factory
 ``FSDP2Engine.prepare_model`` on the process group its ``DistributedInterface``
 creates.  For every framework release installed in this pinned set:
@@ -28,9 +28,9 @@ pytest.importorskip("transformers", reason="needs transformers (tiny models)")
 
 from fsdp2_compat import integrations, registry  # noqa: E402
 from fsdp2_compat.core import guards  # noqa: E402
-from fsdp2_compat.tooling import tiny as tiny_models  # noqa: E402
-from fsdp2_compat.tooling.ranks import run_ranks  # noqa: E402
-from fsdp2_compat.tooling.scenarios import tie_flag_refusal, train  # noqa: E402
+from fsdp2_compat_harness import tiny as tiny_models  # noqa: E402
+from fsdp2_compat_harness.ranks import run_ranks  # noqa: E402
+from fsdp2_compat_harness.scenarios import tie_flag_refusal, train  # noqa: E402
 from support.rank_jobs import train_families, wrap_plans  # noqa: E402
 
 # The releases this module's outcome depends on: .ci/test runs it once per distinct set of them (.ci/matrix.py).
@@ -123,14 +123,14 @@ def test_unpatched_trains_where_transformers_removed_the_raw_read(framework, fam
     assert_matches_the_reference(run_ranks(train, 2, framework, family, None))
 
 
-STEP3P7 = tiny_models.available("step3p7")
+STEP3P7 = tiny_models.unavailable("step3p7")
 SKYRL_LOOPS = [
     pytest.param(d, marks=pytest.mark.skipif(guards.installed_version(d) is None, reason="%s not in this pinned set" % d))
     for d in ("skyrl", "skyrl-train")
 ]
 
 
-@pytest.mark.skipif(STEP3P7 is not True, reason=str(STEP3P7))
+@pytest.mark.skipif(STEP3P7 is not None, reason=str(STEP3P7))
 @pytest.mark.parametrize("framework", SKYRL_LOOPS)
 def test_skyrl_refuses_a_config_without_a_top_level_tie_flag_patched_or_not(framework):
     """Step-3.7's config class has no top-level tie_word_embeddings; SkyRL's loop reads it without a default.
@@ -150,7 +150,7 @@ def test_skyrl_refuses_a_config_without_a_top_level_tie_flag_patched_or_not(fram
 def test_one_rank_crashes_unpatched_on_glm4v_and_matches_the_reference_patched(framework):
     """One rank (no data-parallel average to miss): the same GLM4V error, and every patched
     family trains like the unsharded model."""
-    families = [f for f in RAW_READ_FAMILIES if tiny_models.wrappable(f) is True
+    families = [f for f in RAW_READ_FAMILIES if tiny_models.unwrappable(f) is None
                 and tie_flag_refusal(framework, tiny_models.quiet(tiny_models.tiny_config, f, False)) is None] + ["qwen2"]
     [runs] = run_ranks(train_families, 1, framework, families, dict(PATCH_OF, qwen2="glm4v"))
     for family in ("glm4v", "glm4v_moe", "glm46v"):
@@ -179,7 +179,7 @@ def test_patched_plan_differs_from_upstream_only_by_auxiliary_embeddings(framewo
     embeddings (and layer classes nested inside a kept unit)."""
     config = lambda f: tiny_models.quiet(tiny_models.tiny_config, f, False)  # noqa: E731
     families = [f for f in CONTROL_FAMILIES + ["qwen3_vl"] + RAW_READ_FAMILIES
-                if tiny_models.wrappable(f) is True and tie_flag_refusal(framework, config(f)) is None]
+                if tiny_models.unwrappable(f) is None and tie_flag_refusal(framework, config(f)) is None]
     [plans] = run_ranks(wrap_plans, 1, framework, families, "glm4v")
     for family, plan in plans.items():
         patched = set(plan["patched"])
@@ -208,8 +208,8 @@ def test_tied_weights_under_an_untied_flag_train_when_patched(framework):
     """Tied by identity, ``config.tie_word_embeddings`` False (Qwen3-VL on 4.57):
     upstream shards the shared embedding in its own unit, so ``lm_head`` reads a
     sharded weight; the fix decides by identity and gives neither its own unit."""
-    if tiny_models.wrappable("qwen3_vl") is not True:
-        pytest.skip(str(tiny_models.wrappable("qwen3_vl")))
+    if tiny_models.unwrappable("qwen3_vl") is not None:
+        pytest.skip(str(tiny_models.unwrappable("qwen3_vl")))
     unpatched = run_ranks(train, 2, framework, "qwen3_vl", None, kwargs={"tie": "weights-only"})[0]
     assert unpatched["error"] is not None, "upstream trained a tied model split across units?"
     results = run_ranks(train, 2, framework, "qwen3_vl", "glm4v", kwargs={"tie": "weights-only"})

@@ -9,16 +9,16 @@ stand-in: accelerate selects FSDP only for GPU-like devices, so on CPU it sets
 the distributed type to FSDP exactly as accelerate's GPU branch does.  Nothing
 of accelerate's or transformers' preparation and training code is replaced.
 (The reader scenario itself, which ``fsdp2-compat check`` also runs, lives in
-``fsdp2_compat.tooling.accelerate_scenarios``.)
+``fsdp2_compat_harness.accelerate_scenarios``.)
 """
 
 
 import tempfile
 
-from fsdp2_compat.tooling import subset
-from fsdp2_compat.tooling.accelerate_scenarios import build_pair, head_layout
-from fsdp2_compat.tooling.scenarios import full_value, rel_err
-from fsdp2_compat.tooling.trl_scenarios import cpu_fsdp, rank_env
+from fsdp2_compat_harness import subset
+from fsdp2_compat_harness.accelerate_scenarios import build_pair, head_layout
+from fsdp2_compat_harness.scenarios import full_value, rel_err
+from fsdp2_compat_harness.trl_scenarios import cpu_fsdp, rank_env
 
 
 def trainer_step(rank, world, family, tie, read, patches, lr=0.1):
@@ -35,7 +35,7 @@ def _trainer_step(rank, world, family, tie, read, lr):
     from datasets import Dataset
     from transformers import Trainer, TrainingArguments
 
-    from fsdp2_compat.tooling import tiny as tiny_models
+    from fsdp2_compat_harness import tiny as tiny_models
 
     model, reference = build_pair(family, tie, read)
     by_ids, seen = {}, []

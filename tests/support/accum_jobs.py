@@ -5,7 +5,7 @@ rank processes (a fresh model and a fresh patch request per case, reverted
 after it), because starting ranks costs more than the tiny models' training.
 
 A case trains optimizer steps made of micro-batches through
-``fsdp2_compat.tooling.scenarios.train_against_reference``: every rank gets
+``fsdp2_compat_harness.scenarios.train_against_reference``: every rank gets
 different data, the unsharded fp32 reference trains on the data-parallel
 average, and gradient sync is deferred on every micro-batch but the last of a
 step (``sync="deferred"``, as verl's ``use_no_sync_for_gradient_accumulation``;
@@ -21,8 +21,8 @@ process only, like the toy patches of ``tests/core/conftest.py``.
 
 import contextlib
 
-from fsdp2_compat.tooling.scenarios import first_line, full_value, full_values, fused_loss, train_against_reference
-from fsdp2_compat.tooling.tiny.text import text_only  # noqa: F401  (used here and by the tests)
+from fsdp2_compat_harness.scenarios import first_line, full_value, full_values, fused_loss, train_against_reference
+from fsdp2_compat_harness.tiny.text import text_only  # noqa: F401  (used here and by the tests)
 
 STEPS = (("text", "image"), ("image", "text", "image"))  # micro-batch kinds of step 0 and step 1
 TEXT_STEPS = (("text", "text"), ("text", "text", "text"))
@@ -127,7 +127,7 @@ def tiny_qwen2_vl(seed=0):
     import torch
     import transformers as T
 
-    from fsdp2_compat.tooling.tiny.configs import _text, rope
+    from fsdp2_compat_harness.tiny.configs import _text, rope
 
     vision = dict(depth=1, embed_dim=32, hidden_size=32, mlp_ratio=2, num_heads=2, in_channels=3, patch_size=4,
                   spatial_merge_size=2, temporal_patch_size=2)
@@ -221,11 +221,11 @@ def _prepare(rank, world, framework, model, policy):
     ``accelerator.no_sync(model)``.
     """
     if framework == "accelerate":
-        from fsdp2_compat.tooling import trl_scenarios
+        from fsdp2_compat_harness import trl_scenarios
 
         model, accelerator = trl_scenarios.prepare_for_accumulation(rank, world, model, policy)
         return model, lambda: accelerator.no_sync(model)
-    from fsdp2_compat.tooling import frameworks
+    from fsdp2_compat_harness import frameworks
 
     frameworks.shard(framework, model, world, policy)
     return model, lambda: _requires_no_gradient_sync(model)
@@ -243,7 +243,7 @@ def _requires_no_gradient_sync(model):
 
 
 def _build(family, fused):
-    from fsdp2_compat.tooling import tiny
+    from fsdp2_compat_harness import tiny
 
     model = TEST_ONLY[family][0]() if family in TEST_ONLY else tiny.build(family, tie=False, seed=0)
     if fused:
@@ -254,8 +254,8 @@ def _build(family, fused):
 
 
 def _micro_batch(family, reference, seed, kind, fused):
-    from fsdp2_compat.tooling import tiny
-    from fsdp2_compat.tooling.verl_batches import add_verl_position_ids
+    from fsdp2_compat_harness import tiny
+    from fsdp2_compat_harness.verl_batches import add_verl_position_ids
 
     if family in TEST_ONLY and TEST_ONLY[family][1]:
         family = TEST_ONLY[family][1]
@@ -283,7 +283,7 @@ def _one_case(rank, world, framework, family, fused, patches, policy, sync, step
 
     import fsdp2_compat
     from fsdp2_compat.fixes import gather, media_merge, mixed_media, unit_walk, vq_tokens
-    from fsdp2_compat.tooling import scenarios
+    from fsdp2_compat_harness import scenarios
 
     if patches:
         fsdp2_compat.apply(patches)
@@ -376,7 +376,7 @@ def accumulation_cases(rank, world, framework, family, cases, pairs=(), fused=Fa
     sync of the same model and data).
     """
     import fsdp2_compat
-    from fsdp2_compat.tooling.scenarios import rel_err
+    from fsdp2_compat_harness.scenarios import rel_err
 
     register_test_patches()
     out = {}
@@ -406,7 +406,7 @@ def adopt_convention(model, convention):
     from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
-    from fsdp2_compat.tooling.conventions import adopt
+    from fsdp2_compat_harness.conventions import adopt
 
     count = 0
     for module in model.modules():
@@ -439,8 +439,8 @@ def toy_accumulation(rank, world, patches, unused=False, sync="deferred", conven
     from torch.distributed.fsdp import fully_shard
 
     import fsdp2_compat
-    from fsdp2_compat.tooling.frameworks import mp_policy
-    from fsdp2_compat.tooling.scenarios import rel_err
+    from fsdp2_compat_harness.frameworks import mp_policy
+    from fsdp2_compat_harness.scenarios import rel_err
 
     register_test_patches()
     if patches:

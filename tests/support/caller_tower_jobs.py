@@ -50,10 +50,10 @@ def caller_ran_tower(rank, world, directory, family, patches, steps=3):
 
     import fsdp2_compat
     from fsdp2_compat.fixes import mixed_media
-    from fsdp2_compat.tooling import tiny
-    from fsdp2_compat.tooling.mixed import stderr_to_file
-    from fsdp2_compat.tooling.scenarios import train_against_reference
-    from fsdp2_compat.tooling.tiny.text import text_only
+    from fsdp2_compat_harness import tiny
+    from fsdp2_compat_harness.mixed import stderr_to_file
+    from fsdp2_compat_harness.scenarios import train_against_reference
+    from fsdp2_compat_harness.tiny.text import count_forwards, counted_loss, one_rank_with_media
 
     stderr_to_file(directory, rank)
     if patches:
@@ -66,20 +66,13 @@ def caller_ran_tower(rank, world, directory, family, patches, steps=3):
         if type(module).__name__ in layers:
             fully_shard(module, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    calls = []
-
-    def count(module, inputs, output):
-        if torch._C._current_graph_task_id() == -1:
-            calls[-1] += 1
-
-    model.model.visual.register_forward_hook(count)
+    calls = count_forwards(model.model.visual)
     result = {"error": None, "losses": [], "loss_err": 0.0, "grad_err": 0.0, "worst_grad": None, "param_err": 0.0,
               "grads_checked": 0, "tower_calls": calls}
     before = dict(mixed_media.STATS)
 
     def batches_for(step):
-        batches = [tiny.make_batch(family, reference, seed=1 + 10 * step + r) for r in range(world)]
-        return [b if r == step % world else text_only(b, seed=1000 + 10 * step + r) for r, b in enumerate(batches)]
+        return one_rank_with_media(lambda seed: tiny.make_batch(family, reference, seed=seed), step, world)
 
     def post_encode(module, args, kwargs):  # ms-swift registers _post_encode as a forward pre-hook
         return args, swift_inputs_embeds(module, kwargs)
@@ -87,13 +80,7 @@ def caller_ran_tower(rank, world, directory, family, patches, steps=3):
     for m in (model, reference):  # FSDP2 prepends its own pre-hook: the root unit is unsharded before this one
         m.register_forward_pre_hook(post_encode, with_kwargs=True)
 
-    def loss_of(module, batch):
-        if module is model:
-            calls.append(0)
-        out = module(**batch)
-        return out.loss, out
-
     torch.manual_seed(0)
-    train_against_reference(model, reference, rank, world, result, batches_for, loss_of, steps=steps)
+    train_against_reference(model, reference, rank, world, result, batches_for, counted_loss(model, calls), steps=steps)
     result["stats"] = {k: mixed_media.STATS[k] - before.get(k, 0) for k in mixed_media.STATS}
     return result

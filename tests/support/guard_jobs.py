@@ -19,7 +19,7 @@ def shard(model, world, mp=None):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from fsdp2_compat.tooling.audit.plans import plan_modules
+    from fsdp2_compat_harness.audit.plans import plan_modules
 
     mesh = init_device_mesh("cpu", (world,))
     kwargs = {"mesh": mesh}
@@ -33,8 +33,8 @@ def shard(model, world, mp=None):
 
 
 def batch_for(case, model, rank):
-    from fsdp2_compat.tooling import tiny
-    from fsdp2_compat.tooling.tiny.text import text_only
+    from fsdp2_compat_harness import tiny
+    from fsdp2_compat_harness.tiny.text import text_only
 
     family, media0, media1 = CASES[case]
     if case == "experts":
@@ -49,7 +49,7 @@ def expert_sets(model, batch):
     """``{block: sorted experts}`` this rank's batch reaches, on an unsharded copy (the model is not changed)."""
     import copy
 
-    from fsdp2_compat.tooling import tiny
+    from fsdp2_compat_harness import tiny
 
     probe = copy.deepcopy(model)
     with tiny.moe.hits(probe) as seen:
@@ -64,8 +64,8 @@ def step(rank, world, directory, case, guard_on, patches=None):
     import fsdp2_compat
     from fsdp2_compat import guard
     from fsdp2_compat.guard import agree
-    from fsdp2_compat.tooling import tiny
-    from fsdp2_compat.tooling.mixed import stderr_to_file
+    from fsdp2_compat_harness import tiny
+    from fsdp2_compat_harness.mixed import stderr_to_file
 
     stderr_to_file(directory, rank)
     if guard_on:
@@ -97,9 +97,9 @@ def accumulate(rank, world, guard_on, patch):
     import fsdp2_compat
     from fsdp2_compat import guard
     from fsdp2_compat.guard import agree, collectives
-    from fsdp2_compat.tooling import tiny
-    from fsdp2_compat.tooling.scenarios import full_values
-    from fsdp2_compat.tooling.tiny.text import text_only
+    from fsdp2_compat_harness import tiny
+    from fsdp2_compat_harness.scenarios import full_values
+    from fsdp2_compat_harness.tiny.text import text_only
 
     if guard_on:
         guard.install()

@@ -1,7 +1,7 @@
 """Rank functions for lmms-engine's own VLM forwards (``tests/integrations/test_lmms_engine_forwards.py``).
 
 lmms-engine 0.1.4's ``use_rmpad`` forwards are installed by its own Liger monkey patch
-(``fsdp2_compat.tooling.engines.lmms_forwards``, which names the CUDA-only kernels' stand-ins);
+(``fsdp2_compat_harness.engines.lmms_forwards``, which names the CUDA-only kernels' stand-ins);
 the model is then sharded by its ``apply_fsdp2``.  Both run as released.
 """
 
@@ -12,10 +12,10 @@ def _case(rank, world, family, patches, steps, late=False):
 
     import fsdp2_compat
     from fsdp2_compat.fixes import media_merge, mixed_media
-    from fsdp2_compat.tooling import frameworks, tiny
-    from fsdp2_compat.tooling.engines.lmms_forwards import install_own_forwards, own_forward_of
-    from fsdp2_compat.tooling.scenarios import train_against_reference, wrapped_module_names
-    from fsdp2_compat.tooling.tiny.text import text_only
+    from fsdp2_compat_harness import frameworks, tiny
+    from fsdp2_compat_harness.engines.lmms_forwards import install_own_forwards, own_forward_of
+    from fsdp2_compat_harness.scenarios import train_against_reference, wrapped_module_names
+    from fsdp2_compat_harness.tiny.text import text_only
 
     if patches and not late:
         fsdp2_compat.apply(patches)  # before lmms-engine's monkey patch, as the bootstrap is
@@ -60,7 +60,7 @@ def _case(rank, world, family, patches, steps, late=False):
 def patched_then_unpatched(rank, world, directory, cases, unpatched):
     """Every patched case ``[(name, family, patches, steps[, late])]``, written to ``directory/rank<N>.json``, then the
     ``unpatched`` case (whose gloo abort ends the process); this rank's stderr in ``directory/rank<N>.err``."""
-    from fsdp2_compat.tooling.mixed import stderr_to_file
+    from fsdp2_compat_harness.mixed import stderr_to_file
     from support import accum_jobs, mixed_jobs
 
     stderr_to_file(directory, rank)

@@ -52,7 +52,7 @@ def cannot_wrap(framework, family):
 
 def with_stderr_file(rank, world, directory, *args, **kwargs):
     """``per_family(rank, world, *args)`` with this rank's fd 2 in ``directory/rank<N>.err``."""
-    from fsdp2_compat.tooling.mixed import stderr_to_file
+    from fsdp2_compat_harness.mixed import stderr_to_file
 
     stderr_to_file(directory, rank)
     return per_family(rank, world, *args, **kwargs)
@@ -85,10 +85,10 @@ def root_unit_only(rank, world, directory, patches):
 
     import fsdp2_compat
     from fsdp2_compat.fixes import mixed_media
-    from fsdp2_compat.tooling import tiny
-    from fsdp2_compat.tooling.mixed import stderr_to_file
-    from fsdp2_compat.tooling.scenarios import train_against_reference, wrapped_module_names
-    from fsdp2_compat.tooling.tiny.text import text_only
+    from fsdp2_compat_harness import tiny
+    from fsdp2_compat_harness.mixed import stderr_to_file
+    from fsdp2_compat_harness.scenarios import train_against_reference, wrapped_module_names
+    from fsdp2_compat_harness.tiny.text import text_only
 
     stderr_to_file(directory, rank)
     if patches:
@@ -123,7 +123,7 @@ def patched_then_unpatched(rank, world, directory, framework, families, cases, u
     ``(family, case)``, the case's patches ``"user-without-mixed"``.  Returns the unpatched result, if the
     rank lived to report it.
     """
-    from fsdp2_compat.tooling.mixed import stderr_to_file
+    from fsdp2_compat_harness.mixed import stderr_to_file
 
     stderr_to_file(directory, rank)
     write_patched(directory, rank, per_family(rank, world, framework, families, cases))
@@ -163,7 +163,7 @@ def collect_patched_then_unpatched(fn, args, unpatched_error, pg_timeout, prefix
     import os
     import tempfile
 
-    from fsdp2_compat.tooling.ranks import RankError, run_ranks
+    from fsdp2_compat_harness.ranks import RankError, run_ranks
 
     with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
         try:
@@ -184,8 +184,8 @@ def collect_patched_then_unpatched(fn, args, unpatched_error, pg_timeout, prefix
 def strategy_with_stderr_file(rank, world, directory, *args, **kwargs):
     """``tooling.engines.skyrl_strategy.train_skyrl_strategy`` with this rank's fd 2 in ``directory/rank<N>.err``
     (gloo prints the collective mismatch there before it aborts the rank)."""
-    from fsdp2_compat.tooling.engines import skyrl_strategy
-    from fsdp2_compat.tooling.mixed import stderr_to_file
+    from fsdp2_compat_harness.engines import skyrl_strategy
+    from fsdp2_compat_harness.mixed import stderr_to_file
 
     stderr_to_file(directory, rank)
     return skyrl_strategy.train_skyrl_strategy(rank, world, *args, **kwargs)
@@ -193,8 +193,8 @@ def strategy_with_stderr_file(rank, world, directory, *args, **kwargs):
 
 def verl_engine_with_stderr_file(rank, world, directory, *args, **kwargs):
     """``verl_engine.train_verl_engine(rank, world, *args)`` with this rank's fd 2 in ``directory/rank<N>.err``."""
-    from fsdp2_compat.tooling.engines import verl_engine
-    from fsdp2_compat.tooling.mixed import stderr_to_file
+    from fsdp2_compat_harness.engines import verl_engine
+    from fsdp2_compat_harness.mixed import stderr_to_file
 
     stderr_to_file(directory, rank)
     return verl_engine.train_verl_engine(rank, world, *args, **kwargs)

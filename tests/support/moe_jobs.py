@@ -10,8 +10,8 @@ def run(framework, family, patches, precision=None, accumulate=1, steps=2, pg_ti
     import os
     import tempfile
 
-    from fsdp2_compat.tooling import moe_scenarios
-    from fsdp2_compat.tooling.ranks import RankError, run_ranks
+    from fsdp2_compat_harness import moe_scenarios
+    from fsdp2_compat_harness.ranks import RankError, run_ranks
 
     with tempfile.TemporaryDirectory(prefix="moe_experts_") as tmp:
         try:
@@ -35,7 +35,7 @@ def train_on_older_torch_path(rank, world, *args, **kwargs):
     ``reduce_scatter_unused_params`` (2.6-2.12): zero gradients given before ``post_backward``.
     Returns the result and whether any group's own flag was set (it must not be)."""
     from fsdp2_compat.fixes import experts
-    from fsdp2_compat.tooling import moe_scenarios
+    from fsdp2_compat_harness import moe_scenarios
 
     marked = []
     original = experts.zero_grads_first

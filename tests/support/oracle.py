@@ -39,8 +39,8 @@ def wrap_units(rank, world, framework, families, tree=None, patches=None, unpatc
     "mode": {...}}`` (tie variants: ``tie_variants(family)``).
     """
     import fsdp2_compat
-    from fsdp2_compat.tooling import frameworks, tiny as tiny_models
-    from fsdp2_compat.tooling.scenarios import first_line, import_fsdp_utils, wrapped_module_names
+    from fsdp2_compat_harness import frameworks, tiny as tiny_models
+    from fsdp2_compat_harness.scenarios import first_line, import_fsdp_utils, wrapped_module_names
 
     fsdp_utils = import_fsdp_utils(framework)
 
@@ -73,9 +73,9 @@ TIE_VARIANTS = tuple(_TIE_ARG)
 def tie_variants(family):
     """The variants ``family`` can be built in here: untied only where transformers cannot tie it
     (``tiny.tieable``: e.g. Qwen2-Audio from transformers 5.10, GLM-Image)."""
-    from fsdp2_compat.tooling import tiny as tiny_models
+    from fsdp2_compat_harness import tiny as tiny_models
 
-    return TIE_VARIANTS if tiny_models.tieable(family) is True else ("untied",)
+    return TIE_VARIANTS if tiny_models.untieable(family) is None else ("untied",)
 
 
 # verl model module -> module-level function its fused forwards call for the
@@ -130,8 +130,8 @@ def _train_bound(rank, world, module, steps, lr):
     import torch
     from torch.distributed.device_mesh import init_device_mesh
 
-    from fsdp2_compat.tooling import tiny as tiny_models
-    from fsdp2_compat.tooling.scenarios import (
+    from fsdp2_compat_harness import tiny as tiny_models
+    from fsdp2_compat_harness.scenarios import (
         first_line,
         full_value,
         fused_loss,
@@ -212,7 +212,7 @@ def fused_lm_head(rank, world, model_modules, families=(), tree=None, patches=No
     import importlib
 
     import fsdp2_compat
-    from fsdp2_compat.tooling.scenarios import train_fused
+    from fsdp2_compat_harness.scenarios import train_fused
 
     def run_all(model_modules, families):
         out = {}
@@ -248,7 +248,7 @@ def trl_case(rank, world, family, path, tree=None, patches=None):
     ``wrap_units``.  Returns ``{"result": ..., "mode": ...}``."""
     import importlib
 
-    from fsdp2_compat.tooling.trl_scenarios import train_trl
+    from fsdp2_compat_harness.trl_scenarios import train_trl
 
     if path == "async":
         from support.trl_jobs import async_distill_step
@@ -269,7 +269,7 @@ def run_jobs(jobs):
     """
     import time
 
-    from fsdp2_compat.tooling.ranks import run_ranks
+    from fsdp2_compat_harness.ranks import run_ranks
 
     out = {}
     for name, fn_name, world, args in jobs:

@@ -1,4 +1,4 @@
-"""Rank functions only the tests and benchmarks run (through ``fsdp2_compat.tooling.ranks``).
+"""Rank functions only the tests and benchmarks run (through ``fsdp2_compat_harness.ranks``).
 
 - ``wrap_plans``: the FSDP2 units a framework creates, unpatched and patched;
 - ``glm4v_forward_errors``: verl's GLM4V forward, stock and with the glm4v patch's forward targets;
@@ -10,7 +10,7 @@ Importable by module name in the rank processes: ``tests/`` is on ``sys.path``
 (pytest's rootdir conftest, or the benchmark's own path line).
 """
 
-from fsdp2_compat.tooling.scenarios import first_line, fused_loss, import_fsdp_utils, wrapped_module_names
+from fsdp2_compat_harness.scenarios import first_line, fused_loss, import_fsdp_utils, wrapped_module_names
 
 
 def wrap_plans(rank, world, framework, families, patches):
@@ -21,7 +21,7 @@ def wrap_plans(rank, world, framework, families, patches):
     keeps in the root group.
     """
     import fsdp2_compat
-    from fsdp2_compat.tooling import frameworks, tiny as tiny_models
+    from fsdp2_compat_harness import frameworks, tiny as tiny_models
     from fsdp2_compat.fixes.selection import auxiliary_embeddings
 
     import_fsdp_utils(framework)
@@ -52,7 +52,7 @@ def train_families(rank, world, framework, families, patch_of, **kwargs):
     each run.  Cheaper than a fresh pair of rank processes per run (one rank: no data to differ).
     """
     import fsdp2_compat
-    from fsdp2_compat.tooling.scenarios import train
+    from fsdp2_compat_harness.scenarios import train
 
     out = {}
     for family in families:
@@ -72,8 +72,8 @@ def lf_call_forms(rank, world, family):
     import fsdp2_compat
     from llamafactory.v1.plugins.trainer_plugins.distributed.fsdp2 import FSDP2Engine
 
-    from fsdp2_compat.tooling import frameworks, tiny as tiny_models
-    from fsdp2_compat.tooling.conventions import CONVENTIONS, adopt
+    from fsdp2_compat_harness import frameworks, tiny as tiny_models
+    from fsdp2_compat_harness.conventions import CONVENTIONS, adopt
 
     engine = frameworks.llamafactory_engine(world)
     out = {}
@@ -98,7 +98,7 @@ def lf_call_forms(rank, world, family):
 def list_rule_units(model):
     """LLaMA-Factory 0.9.5: the modules of the one layer class its released ``get_transformer_layer_cls``
     picks when ``_no_split_modules`` is a list (transformers 4.x), run unpatched on a list copy."""
-    from fsdp2_compat.tooling.audit.plans import _unwrapped
+    from fsdp2_compat_harness.audit.plans import _unwrapped
     from llamafactory.v1.plugins.trainer_plugins.distributed import fsdp2
 
     names = getattr(model, "_no_split_modules", None)
@@ -131,8 +131,8 @@ def glm4v_forward_errors(rank, world, fused):
 
     from fsdp2_compat.core import engine
     from fsdp2_compat.integrations import verl as verl_targets
-    from fsdp2_compat.tooling import subset, tiny as tiny_models
-    from fsdp2_compat.tooling.verl_batches import glm4v_verl_batch
+    from fsdp2_compat_harness import subset, tiny as tiny_models
+    from fsdp2_compat_harness.verl_batches import glm4v_verl_batch
 
     model = tiny_models.build("glm4v", tie=False, seed=0).eval()
     batch = tiny_models.make_batch("glm4v", model, seed=1)
@@ -178,7 +178,7 @@ def lm_head_traffic(rank, world, patches):
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     import fsdp2_compat
-    from fsdp2_compat.tooling import tiny as tiny_models
+    from fsdp2_compat_harness import tiny as tiny_models
 
     if patches:
         fsdp2_compat.apply(patches)
@@ -275,7 +275,7 @@ def gathered_both_ways(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from fsdp2_compat.tooling.scenarios import full_values
+    from fsdp2_compat_harness.scenarios import full_values
 
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)  # every rank builds the same full tensors

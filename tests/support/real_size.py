@@ -2,11 +2,11 @@
 
 Numbers are hand-copied from the checkpoints' config.json / model cards (named
 per family below); they are for meta-device counting, never for loading
-weights.  Same family names as ``fsdp2_compat.tooling.tiny``.
+weights.  Same family names as ``fsdp2_compat_harness.tiny``.
 """
 
-from fsdp2_compat.tooling import tiny
-from fsdp2_compat.tooling.tiny.configs import CLASSES, rope as _rope, tf_major as _tf_major
+from fsdp2_compat_harness import tiny
+from fsdp2_compat_harness.tiny.configs import CLASSES, rope as _rope, tf_major as _tf_major
 
 
 # Families whose config class's defaults are, by its docstring, the named checkpoint ("a similar configuration to

@@ -29,7 +29,7 @@ The instruments are instance attributes on FSDP's own objects (spies that
 call the original), never changes of the code under test.
 """
 
-from fsdp2_compat.tooling.scenarios import full_value, fused_loss
+from fsdp2_compat_harness.scenarios import full_value, fused_loss
 
 
 def _lm_head_bytes(group):
@@ -66,7 +66,7 @@ def lm_head_release(rank, world, early=True):
 
     import fsdp2_compat
     from fsdp2_compat.fixes import gather
-    from fsdp2_compat.tooling import tiny
+    from fsdp2_compat_harness import tiny
 
     fsdp2_compat.apply("qwen3vl")
     if not early:
@@ -174,7 +174,7 @@ def real_size(family):
     import torch
     import transformers
 
-    from fsdp2_compat.tooling.tiny.configs import CLASSES
+    from fsdp2_compat_harness.tiny.configs import CLASSES
     from support.real_size import real_size_config
 
     config = real_size_config(family)

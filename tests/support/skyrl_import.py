@@ -27,7 +27,7 @@ test-environment-only reasons:
    ``from flash_attn.bert_padding import pad_input, unpad_input`` at module top.
    flash-attn has no CPU build and cannot be installed without CUDA.
    Workaround: for the duration of the import only, the named CPU stand-in
-   ``fsdp2_compat.tooling.engines.cpu.bert_padding_during_import`` (pure-torch
+   ``fsdp2_compat_harness.engines.cpu.bert_padding_during_import`` (pure-torch
    ``pad_input`` / ``unpad_input`` with the flash-attn 2.7 signatures, removed
    again afterwards; transformers' flash-attn probes run and cache first, since
    a visible module without an installed distribution makes them raise).
@@ -48,7 +48,7 @@ import importlib.util
 import sys
 import types
 
-from fsdp2_compat.tooling.engines.cpu import bert_padding_during_import
+from fsdp2_compat_harness.engines.cpu import bert_padding_during_import
 
 __all__ = ["import_skyrl_module"]
 
@@ -67,7 +67,7 @@ def import_skyrl_module(name: str) -> types.ModuleType:
 
 
 def _ensure_skyrl_backends_package() -> None:
-    from fsdp2_compat.tooling.scenarios import ensure_skyrl_backends_package
+    from fsdp2_compat_harness.scenarios import ensure_skyrl_backends_package
 
     ensure_skyrl_backends_package()
 

@@ -7,13 +7,13 @@ teacher base models, then liger-kernel's ``LigerFusedLinearJSDLoss`` on ``studen
 local teacher under FSDP).  The trainer is a real instance whose ``__init__`` is skipped, with the attributes the
 method reads set as ``__init__`` sets them; ``read`` records, through a forward pre-hook on the liger loss module,
 the types of the head weights that reached it.  GRPO's Liger loss, which ``fsdp2-compat check`` runs too, lives in
-``fsdp2_compat/tooling/engines/ms_swift.py`` (``grpo_liger``); ``liger_cases`` runs either.  Stand-in:
+``harness/fsdp2_compat_harness/engines/ms_swift.py`` (``grpo_liger``); ``liger_cases`` runs either.  Stand-in:
 ``trl_scenarios.cpu_fsdp`` only.
 """
 
 import copy
 
-from fsdp2_compat.tooling.engines.ms_swift import grpo_liger, unit_of
+from fsdp2_compat_harness.engines.ms_swift import grpo_liger, unit_of
 
 
 def _gkd_trainer(student, acc, teacher):
@@ -40,9 +40,9 @@ def gkd_liger(rank, world, family, patches, steps=2, lr=0.05):
     import torch
     from swift.rlhf_trainers.utils import prepare_fsdp
 
-    from fsdp2_compat.tooling import subset, tiny
-    from fsdp2_compat.tooling.scenarios import train_against_reference
-    from fsdp2_compat.tooling.trl_scenarios import cpu_fsdp, make_accelerator, rank_env
+    from fsdp2_compat_harness import subset, tiny
+    from fsdp2_compat_harness.scenarios import train_against_reference
+    from fsdp2_compat_harness.trl_scenarios import cpu_fsdp, make_accelerator, rank_env
 
     rank_env(rank, world)
     subset.apply(patches)
@@ -86,7 +86,7 @@ def liger_cases(rank, world, cases):
     import fsdp2_compat
     from accelerate.state import AcceleratorState
 
-    from fsdp2_compat.tooling import subset
+    from fsdp2_compat_harness import subset
 
     out = []
     jobs = {"grpo": grpo_liger, "gkd": gkd_liger}

@@ -49,7 +49,7 @@ def _units(tower, rule):
     import torch.nn as nn
 
     from fsdp2_compat.fixes.selection import select_wrap_targets
-    from fsdp2_compat.tooling.audit.plans import layer_classes_of
+    from fsdp2_compat_harness.audit.plans import layer_classes_of
 
     if rule == "fixed":
         return list(select_wrap_targets(tower, layer_classes_of(tower)))
@@ -70,7 +70,7 @@ def tower_step(rank, world, name, rule):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from fsdp2_compat.tooling.scenarios import first_line, full_value, rel_err
+    from fsdp2_compat_harness.scenarios import first_line, full_value, rel_err
 
     tower, inputs = build_tower(name)
     reference = copy.deepcopy(tower)

@@ -14,8 +14,8 @@ selects FSDP only for GPU-like devices); nothing of TRL is replaced.
 import copy
 import tempfile
 
-from fsdp2_compat.tooling.scenarios import full_value, rel_err, train_against_reference, wrapped_module_names
-from fsdp2_compat.tooling.trl_scenarios import SFT_OUTPUTS, cpu_fsdp, make_accelerator, rank_env
+from fsdp2_compat_harness.scenarios import full_value, rel_err, train_against_reference, wrapped_module_names
+from fsdp2_compat_harness.trl_scenarios import SFT_OUTPUTS, cpu_fsdp, make_accelerator, rank_env
 
 
 def cannot_show_the_bug():
@@ -57,7 +57,7 @@ def sft_train_step(rank, world, family, patches, bf16=False, accum=1, lr=0.1):
     on the DP-average gradient of exactly those batches (SFT's default nll loss,
     normalised as ``Trainer`` + ``SFTTrainer.compute_loss`` do).
     """
-    from fsdp2_compat.tooling import subset
+    from fsdp2_compat_harness import subset
 
     rank_env(rank, world)
     subset.apply(patches)  # patch names, or exact target keys (tests/integrations/test_accelerate.py)
@@ -72,7 +72,7 @@ def _sft_train_step(rank, world, family, bf16, accum, lr):
     from trl import SFTConfig, SFTTrainer
     from trl.trainer.utils import add_fused_lm_head
 
-    from fsdp2_compat.tooling import tiny as tiny_models
+    from fsdp2_compat_harness import tiny as tiny_models
 
     model = tiny_models.build(family, tie=False, seed=0)
     reference = copy.deepcopy(model)
@@ -159,7 +159,7 @@ def _async_trainer(model, acc, convention):
     from trl.experimental.async_distillation.async_distillation_trainer import AsyncDistillationTrainer
     from trl.models.utils import _ForwardRedirection
 
-    from fsdp2_compat.tooling.conventions import calling
+    from fsdp2_compat_harness.conventions import calling
 
     cls = calling(AsyncDistillationTrainer, "_compute_loss", convention)  # how compute_loss reaches _compute_loss
     t = cls.__new__(cls)  # __init__ starts rollout workers
@@ -176,7 +176,7 @@ def async_distill_step(rank, world, family, patches, steps=2, lr=0.05, conventio
     """``AsyncDistillationTrainer.compute_loss`` on an accelerate-prepared student vs the DP-average reference.
 
     ``convention``: how ``compute_loss`` reaches ``_compute_loss`` (``tooling.conventions``)."""
-    from fsdp2_compat.tooling import subset
+    from fsdp2_compat_harness import subset
 
     rank_env(rank, world)
     if patches:
@@ -188,7 +188,7 @@ def async_distill_step(rank, world, family, patches, steps=2, lr=0.05, conventio
 def _async_distill_step(rank, world, family, steps, lr, convention):
     import torch
 
-    from fsdp2_compat.tooling import tiny as tiny_models
+    from fsdp2_compat_harness import tiny as tiny_models
 
     acc = make_accelerator()
     model = tiny_models.build(family, tie=False, seed=0)

@@ -160,7 +160,7 @@ def family_traces(rank, world, framework, configs):
     import fsdp2_compat
     from fsdp2_compat import registry
     from fsdp2_compat.fixes import media_towers, unit_walk
-    from fsdp2_compat.tooling.tiny.text import text_only
+    from fsdp2_compat_harness.tiny.text import text_only
     from support import accum_jobs
 
     out = {}

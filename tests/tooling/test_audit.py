@@ -1,4 +1,4 @@
-"""The wrap-plan auditor (fsdp2_compat.tooling.audit): one CPU forward, no process group.
+"""The wrap-plan auditor (fsdp2_compat_harness.audit): one CPU forward, no process group.
 
 What it must see: GLM4V's vision position table read raw (``grid_sample``)
 when upstream plans give it a unit of its own, verl's fused forward reading a
@@ -22,9 +22,9 @@ nn = torch.nn
 import fsdp2_compat  # noqa: E402
 from fsdp2_compat import registry  # noqa: E402
 from fsdp2_compat.core import engine, guards  # noqa: E402
-from fsdp2_compat.tooling import audit  # noqa: E402
+from fsdp2_compat_harness import audit  # noqa: E402
 from fsdp2_compat.fixes import glm4v_forward  # noqa: E402
-from fsdp2_compat.tooling import tiny as tiny_models  # noqa: E402
+from fsdp2_compat_harness import tiny as tiny_models  # noqa: E402
 from support import real_size  # noqa: E402
 
 # The releases this module's outcome depends on: .ci/test runs it once per distinct set of them (.ci/matrix.py).
@@ -47,8 +47,8 @@ _MODELS = {}
 
 
 def tiny(family, tie=False):
-    reason = tiny_models.available(family)
-    if reason is not True:
+    reason = tiny_models.unavailable(family)
+    if reason is not None:
         pytest.skip(str(reason))
     key = (family, tie)
     if key not in _MODELS:
@@ -147,10 +147,10 @@ def test_upstream_plan_refuses_code_it_does_not_know(plan, monkeypatch):
 @pytest.mark.depends_on("torch", "transformers", "{framework}")
 def test_upstream_plan_is_the_units_the_installed_release_creates(framework):
     """The audit's plan and the release's own entry point on real FSDP2 (1 gloo rank), every family."""
-    from fsdp2_compat.tooling.ranks import run_ranks
+    from fsdp2_compat_harness.ranks import run_ranks
     from support.rank_jobs import wrap_plans
 
-    families = [f for f in tiny_models.FAMILIES if tiny_models.wrappable(f) is True]
+    families = [f for f in tiny_models.FAMILIES if tiny_models.unwrappable(f) is None]
     [plans] = run_ranks(wrap_plans, 1, framework, families, "glm4v")
     for family in families:
         model = tiny_models.build(family)
@@ -177,7 +177,7 @@ def test_controls_have_no_hazard_under_every_plan(family, plan):
 
 _FUSED = """
 import contextlib, io, json
-from fsdp2_compat.tooling import audit
+from fsdp2_compat_harness import audit
 for family in ("qwen3_vl", "qwen2", "glm4v", "glm4v_moe"):
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
@@ -192,8 +192,8 @@ for family in ("qwen3_vl", "qwen2", "glm4v", "glm4v_moe"):
 def test_fused_forward_lm_head_read(warm_python):
     families = ("qwen3_vl", "qwen2", "glm4v", "glm4v_moe")
     for family in families:
-        reason = tiny_models.available(family)
-        if reason is not True:
+        reason = tiny_models.unavailable(family)
+        if reason is not None:
             pytest.skip(str(reason))
     proc = warm_python(_FUSED)
     results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -450,7 +450,7 @@ def test_config_json_keeps_the_files_tying(capsys, tmp_path, family):
 
 
 def test_audit_module_imports_without_torch(python):
-    proc = python("import sys, fsdp2_compat.tooling.audit; print('torch' in sys.modules, 'transformers' in sys.modules)")
+    proc = python("import sys, fsdp2_compat_harness.audit; print('torch' in sys.modules, 'transformers' in sys.modules)")
     assert proc.stdout.split() == ["False", "False"]
 
 

@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("torch", reason="needs torch")
 pytest.importorskip("transformers", reason="needs transformers")
 
-from fsdp2_compat.tooling.audit import cli  # noqa: E402
+from fsdp2_compat_harness.audit import cli  # noqa: E402
 
 DEPENDS_ON = ("torch", "transformers")
 
@@ -110,7 +110,7 @@ def test_a_family_outside_the_catalogue_from_its_config_json_alone(capsys, tmp_p
 def test_the_sweep_shows_divergence_and_the_bug_classes_left_per_plan():
     import importlib
 
-    report_mod = importlib.import_module("fsdp2_compat.tooling.audit.report")  # the package exports a function
+    report_mod = importlib.import_module("fsdp2_compat_harness.audit.report")  # the package exports a function
 
     rows = report_mod.sweep(families=["qwen2_5_vl"], plans=("fixed",))
     (row,) = rows

@@ -14,7 +14,10 @@ import pytest
 
 from fsdp2_compat import integrations
 from fsdp2_compat.core import guards
-from fsdp2_compat.tooling import divergence_check
+
+pytest.importorskip("fsdp2_compat_harness", reason="needs the harness (check itself)")
+
+from fsdp2_compat_harness.check import divergence as divergence_check  # noqa: E402
 
 # The releases this module's outcome depends on: .ci/test runs it once per distinct set of them (.ci/matrix.py).
 DEPENDS_ON = ("torch", "transformers", "verl", "skyrl", "skyrl-train", "areal", "llamafactory", "trl", "accelerate",
@@ -74,22 +77,22 @@ def test_check_shows_the_crash_unpatched_and_the_fix_patched(report):
 
 
 def _runnable_engines():
-    from fsdp2_compat.tooling import check
-    from fsdp2_compat.tooling.engines import skyrl_strategy, verl_engine
+    from fsdp2_compat_harness.check import engines
+    from fsdp2_compat_harness.engines import skyrl_strategy, verl_engine
 
     harness = {"verl_engine": verl_engine, "skyrl_strategy": skyrl_strategy}
-    return {kind: harness[name].runnable() for kind, (_, name, _) in check.ENGINES.items()}
+    return {kind: harness[name].unrunnable() for kind, (_, name, _) in engines.ENGINES.items()}
 
 
 def test_check_trains_glm4v_through_each_training_engine_installed(report):
     """The README's first command shows the whole path: verl's FSDP engine and SkyRL's strategy, where they run."""
-    from fsdp2_compat.tooling import check
+    from fsdp2_compat_harness.check import engines
 
-    runnable = _runnable_engines()
-    if not any(v is True for v in runnable.values()):
-        pytest.skip("no training engine runs here: %s" % runnable)
-    rows = {r["kind"]: r for r in report["rows"] if r["kind"] in check.ENGINES}
-    assert set(rows) == {kind for kind, ok in runnable.items() if ok is True}, (rows, runnable)
+    unrunnable = _runnable_engines()
+    if not any(v is None for v in unrunnable.values()):
+        pytest.skip("no training engine runs here: %s" % unrunnable)
+    rows = {r["kind"]: r for r in report["rows"] if r["kind"] in engines.ENGINES}
+    assert set(rows) == {kind for kind, why in unrunnable.items() if why is None}, (rows, unrunnable)
     for kind, row in rows.items():
         assert row["family"] == "glm4v" and row["patch"] == "glm4v", row
         assert row["unpatched"].startswith("step 0: RuntimeError: aten.grid_sampler_2d.default got mixed"), row
@@ -109,10 +112,10 @@ def test_check_fails_when_a_patch_does_not_fix_its_case(warm_python):
     proc = warm_python(
         """
         import sys
-        from fsdp2_compat.tooling import check
-        check.selection_cases = lambda families=None: [("glm4v", "qwen3vl")]
-        check.fused_cases = lambda families=None: []
-        check.engine_cases = lambda families=None: []
+        from fsdp2_compat_harness.check import engines, fused, selection
+        selection.selection_cases = lambda families=None: [("glm4v", "qwen3vl")]
+        fused.fused_cases = lambda families=None: []
+        engines.engine_cases = lambda families=None: []
         from fsdp2_compat.cli import main
         sys.exit(main(["check", "--json", "--families", "glm4v"]))
         """,
@@ -160,7 +163,7 @@ TRL = guards.installed_version("trl")
 @pytest.mark.skipif(TRL is None or not guards.in_range(TRL, ">=1.16.0"),
                     reason="TRL's check rows need trl >= 1.16.0 (its fused head runs on CPU from 1.16.0)")
 def test_check_shows_trls_unaveraged_lm_head_gradient_and_the_fix(report):
-    from fsdp2_compat.tooling.check import TRL_KIND
+    from fsdp2_compat_harness.check.trl import KIND as TRL_KIND
 
     [row] = _rows(report, framework="trl", family="qwen3_vl")  # TRL's and the ranks' prints stay off stdout
     assert row["kind"] == TRL_KIND and row["version"] == TRL and row["patch"] == "qwen3vl"
@@ -178,7 +181,7 @@ def _accelerate_rows_expected():
 
 @pytest.mark.skipif(not _accelerate_rows_expected(), reason="accelerate's check rows need its tail unit (1.14.0-1.15.0)")
 def test_check_shows_accelerates_tail_unit_bugs_and_the_fix(report):
-    from fsdp2_compat.tooling.check import ACC_CASES
+    from fsdp2_compat_harness.check.accelerate import CASES as ACC_CASES
 
     rows = {r["family"]: r for r in _rows(report, framework="accelerate") if r["kind"] in {k for _, _, k in ACC_CASES}}
     assert set(rows) == {"qwen2_5_vl", "qwen2"}, report["rows"]
@@ -194,18 +197,19 @@ def test_check_shows_accelerates_tail_unit_bugs_and_the_fix(report):
 @needs_framework
 def test_check_shows_mixed_ranks_abort_unpatched_and_the_dp_average_patched(report):
     """rank 0 an image, rank 1 text only, through each wrapping framework (``tooling.mixed``)."""
-    from fsdp2_compat.tooling import check, mixed
+    from fsdp2_compat_harness import mixed
+    from fsdp2_compat_harness.check import mixed_ranks
 
-    rows = _rows(report, kind=check.MIXED_KIND)
+    rows = _rows(report, kind=mixed_ranks.KIND)
     assert {r["framework"] for r in rows} == set(FRAMEWORKS), report["rows"]
     for row in rows:
-        assert row["family"] == check.MIXED_FAMILY, row
+        assert row["family"] == mixed_ranks.FAMILY, row
         assert row["unpatched"].startswith("gloo: ") and mixed.GLOO_MISMATCH in row["unpatched"], row
         assert row["patched"] == "ok" and row["fixed"] and row["patch"] == "qwen2vl", row
 
 
 def _axolotl_rows_expected():
-    from fsdp2_compat.tooling.engines import axolotl
+    from fsdp2_compat_harness.check import axolotl
 
     return {kind for kind, _, _ in axolotl.cases()}
 
@@ -215,7 +219,7 @@ def test_check_shows_axolotls_unaveraged_dora_magnitudes_and_kd_head_crash_and_t
     """DoRA through axolotl's LoRA kernels runs but trains a magnitude on each rank's own gradient; the KD
     trainer crashes on the head the forward resharded; the model's patch makes both data-parallel exact."""
     from fsdp2_compat import registry
-    from fsdp2_compat.tooling.engines import axolotl
+    from fsdp2_compat_harness.check import axolotl
 
     rows = {r["kind"]: r for r in _rows(report, framework="axolotl")}
     assert set(rows) == _axolotl_rows_expected(), report["rows"]
@@ -232,7 +236,7 @@ def test_check_shows_axolotls_unaveraged_dora_magnitudes_and_kd_head_crash_and_t
 
 
 def _ms_swift_rows_expected():
-    from fsdp2_compat.tooling.engines import ms_swift
+    from fsdp2_compat_harness.check import ms_swift
 
     return {kind for kind, _, _ in ms_swift.cases()}
 
@@ -244,8 +248,8 @@ def test_check_shows_ms_swifts_text_only_rank_abort_and_grpo_head_crash_and_the_
     collectives (gloo aborts); GRPO's Liger loss reads a VLM's head still sharded; the model's patch makes both
     data-parallel exact."""
     from fsdp2_compat import registry
-    from fsdp2_compat.tooling import mixed
-    from fsdp2_compat.tooling.engines import ms_swift
+    from fsdp2_compat_harness import mixed
+    from fsdp2_compat_harness.check import ms_swift
 
     rows = {r["kind"]: r for r in _rows(report, framework="ms-swift")}
     assert set(rows) == _ms_swift_rows_expected(), report["rows"]

@@ -1,9 +1,13 @@
 """``fsdp2-compat check``'s table: every cell in full, wrapped at word boundaries (no torch needed)."""
 
-from fsdp2_compat.tooling import check
+import pytest
+
+pytest.importorskip("fsdp2_compat_harness", reason="needs the harness (check's table)")
+
+from fsdp2_compat_harness.check import table as check  # noqa: E402
 
 # The releases this module's outcome depends on: .ci/test runs it once per distinct set of them (.ci/matrix.py).
-DEPENDS_ON = ()
+DEPENDS_ON = ("fsdp2-compat-harness",)
 
 ERROR = ("step 0: RuntimeError: aten.grid_sampler_2d.default got mixed torch.Tensor and DTensor, "
          "need to convert all torch.Tensor to DTensor before calling distributed operators!")
@@ -39,7 +43,7 @@ def test_narrow_terminals_still_get_a_readable_last_column():
 
 
 def test_by_default_each_case_is_one_line_with_a_short_symptom():
-    from fsdp2_compat.tooling import check_table
+    from fsdp2_compat_harness.check import table as check_table
 
     rows = [_row(), _row(family="qwen3_vl", kind="fused, 2 ranks", patch="qwen3vl",
                          unpatched="runs, but the lm_head.weight gradient misses the data-parallel average by 0.11"),

@@ -8,7 +8,7 @@ import pytest
 
 from fsdp2_compat import registry
 from fsdp2_compat.integrations import trl as trl_integration
-from fsdp2_compat.tooling import doctor
+from fsdp2_compat.cli import doctor
 
 # The releases this module's outcome depends on: .ci/test runs it once per distinct set of them (.ci/matrix.py).
 DEPENDS_ON = ("python", "transformers")
@@ -42,10 +42,10 @@ def test_a_checkpoint_directory_prints_the_export_line(tmp_path):
 
 def test_the_tiny_models_configs_are_diagnosed_as_saved(tmp_path):
     pytest.importorskip("transformers", reason="needs transformers (the tiny configs)")
-    from fsdp2_compat.tooling import tiny as tiny_models
+    from fsdp2_compat_harness import tiny as tiny_models
 
     for family in ("glm4v", "qwen3_vl", "qwen2"):
-        if tiny_models.available(family) is not True:
+        if tiny_models.unavailable(family) is not None:
             continue
         tiny_models.quiet(tiny_models.tiny_config, family, False).save_pretrained(str(tmp_path / family))
         rc, out, err = run_doctor(str(tmp_path / family))

@@ -1,4 +1,4 @@
-"""``fsdp2_compat.tooling.ranks`` and ``rank_server``: a run with a rank that died unreported, the batched
+"""``fsdp2_compat_harness.ranks`` and ``rank_server``: a run with a rank that died unreported, the batched
 gather, and the rank server one process shares with those it starts."""
 
 import time
@@ -7,7 +7,7 @@ import pytest
 
 pytest.importorskip("torch", reason="needs torch (gloo ranks)")
 
-from fsdp2_compat.tooling import ranks  # noqa: E402
+from fsdp2_compat_harness import ranks  # noqa: E402
 from support import rank_jobs  # noqa: E402
 
 # The releases this module's outcome depends on: .ci/test runs it once per distinct set of them (.ci/matrix.py).
@@ -39,12 +39,12 @@ def test_full_values_gathers_what_full_tensor_gathers_in_one_collective(world):
 # server preloads torch only (~3 s of CPU), the sharer's and that of the client not given the address.
 SHARER = r"""
 import json, os, subprocess, sys
-from fsdp2_compat.tooling import rank_server
+from fsdp2_compat_harness import rank_server
 
 rank_server.PRELOAD[:] = ["torch"]
 address = rank_server.share()
-client = "from fsdp2_compat.tooling import rank_server; rank_server.PRELOAD[:] = ['torch']; " \
-         "from fsdp2_compat.tooling.ranks import run_ranks; from support import server_jobs; " \
+client = "from fsdp2_compat_harness import rank_server; rank_server.PRELOAD[:] = ['torch']; " \
+         "from fsdp2_compat_harness.ranks import run_ranks; from support import server_jobs; " \
          "print('RESULT', run_ranks(server_jobs.server_of, 1, timeout=120)[0], rank_server._joined, flush=True)"
 without = {k: v for k, v in os.environ.items() if k != rank_server.ENV}
 runs = [subprocess.run([sys.executable, "-c", client], env=env, capture_output=True, text=True, timeout=150)
@@ -58,7 +58,7 @@ def test_processes_started_after_share_fork_their_ranks_from_the_one_server(pyth
     import json
     import os
 
-    from fsdp2_compat.tooling import rank_server
+    from fsdp2_compat_harness import rank_server
 
     tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = python(SHARER, env={rank_server.ENV: "", "PYTHONPATH": os.pathsep.join((os.path.dirname(tests), tests))},

@@ -6,7 +6,7 @@ import re
 import pytest
 
 from fsdp2_compat import registry
-from fsdp2_compat.tooling import tables
+from fsdp2_compat.cli import tables
 
 # The releases this module's outcome depends on: .ci/test runs it once per distinct set of them (.ci/matrix.py).
 DEPENDS_ON = ()

@@ -4,7 +4,7 @@ import pytest
 
 pytest.importorskip("packaging")
 
-from fsdp2_compat.tooling.tables import merge_specs
+from fsdp2_compat.cli.tables import merge_specs
 
 # The releases this module's outcome depends on: .ci/test runs it once per distinct set of them (.ci/matrix.py).
 DEPENDS_ON = ()
