@@ -71,13 +71,6 @@ def _cmd_list(args):
     return listing.run(args)
 
 
-def list_markdown():
-    """The README's two generated tables (``listing.list_markdown``)."""
-    from . import listing
-
-    return listing.list_markdown()
-
-
 def _cmd_fingerprint(args):
     from ..core.guards import fingerprint_source
 

@@ -1,10 +1,16 @@
 """``fsdp2-compat list``: every patch, the families it covers and its targets, from the catalogue alone."""
 
+import sys
+
 
 def run(args):
     from .. import registry
+    from . import HARNESS_MISSING, _harness_installed
 
-    if args.markdown:
+    if args.markdown:  # (the README's tables: a maintainer's tool, in the harness)
+        if not _harness_installed():
+            print(HARNESS_MISSING % "list --markdown", file=sys.stderr)
+            return 2
         print(list_markdown())
         return 0
     for p in registry.PATCHES:
@@ -39,7 +45,10 @@ def classification(t):
 
 
 def list_markdown():
-    """The README's two generated tables (family -> patch; upstream x kind of fix), from the catalogue."""
-    from . import tables
+    """The README's two generated tables (family -> patch; upstream x kind of fix), from the catalogue (the
+    harness's ``tables``)."""
+    from . import harness
+
+    tables = harness("tables")
 
     return tables.patch_table() + "\n\n" + tables.matrix_table()

@@ -1,107 +1,51 @@
-"""Mixed text/image micro-batches across data-parallel ranks: every rank runs the media tower.
+"""Mixed text/image micro-batches across data-parallel ranks: every rank runs the media tower's collectives.
 
-The bug (the third FSDP2 bug class; TRL issue #3934, miles #2406, torchtitan
-#4777): FSDP2 all-gathers a unit's parameters in that unit's forward and
-reduce-scatters its gradient in backward, and both are collectives every rank
-must issue in the same order.  The frameworks give a VLM's vision blocks units
-of their own (they are ``_no_split_modules`` layer classes), and the
-transformers model forward runs the vision tower only when its micro-batch has
-``pixel_values``.  When one rank's micro-batch is text-only and another's has
-an image, the first skips every vision unit's all-gather: NCCL hangs until its
-watchdog, gloo aborts ("Received data size doesn't match expected size").  Even
-with no vision unit of its own, the enclosing unit reduce-scatters a shorter
-gradient list on the text-only rank (its vision parameters have no gradient).
+The bug (FSDP2's third class; TRL #3934, miles #2406, torchtitan #4777): a
+transformers forward runs the vision tower only when its micro-batch has
+media, so a text-only rank skips every vision unit's all-gather (and the
+enclosing unit reduce-scatters fewer gradients) while an image rank issues
+them: NCCL hangs, gloo aborts ("Received data size doesn't match expected
+size").
 
-The fix: on a micro-batch without media, the model's own image path runs on a
-minimal dummy image (zeros, one merged token: for the Qwen/GLM towers a
-``[1, m, m]`` patch grid for spatial merge size ``m``; per tower kind in
-``fixes.media_towers``, which says why each dummy is valid) and
-``0 * sum(every floating output)`` is added to the input embeddings.  Every vision unit then all-gathers in forward and
-reduce-scatters in backward exactly as on an image rank, in the same order
-(the dummy runs right after the token embedding, where the real image path
-runs, and it joins the graph at the input embeddings, as the real features
-do), and it contributes an exact zero to every gradient, so the reduced
-gradient is the data-parallel average of the real micro-batches.  This is
-what verl's own model forwards do ("handle mixed text-image data" in
-``verl/models/transformers/qwen2_vl.py``, ``qwen3_vl.py``, ``glm4v.py``).
+The fix: on a micro-batch without media, the model's own media path runs on a
+minimal dummy (per tower kind in ``media_towers``, which says why each dummy is
+valid) right where the real one runs, after the token embedding, and
+``0 * sum(every floating output)`` joins the input embeddings: the same
+collectives in the same order as an image rank, an exact zero in every
+gradient (what verl's own forwards do, "handle mixed text-image data").  From a
+model's second text-only micro-batch on, ``unit_walk`` issues the recorded
+dummy's collectives without the tower's code (a GPU tower call costs latency,
+not FLOPs: ``benchmarks/text_only_cost.py``, ``benchmarks/gpu_check.py``).
 
-Why the seam is the transformers base model's ``forward``
-(``Qwen2_5_VLModel.forward`` and its siblings; targets in
-``fsdp2_compat.integrations.transformers_media``): it is the one function
-every trainer calls (TRL and the HF ``Trainer`` through accelerate, SkyRL's
-``HFModelWrapper``, AReaL, LLaMA-Factory), whatever wraps the model, and it is
-where the decision to skip the tower is made.  ``get_image_features`` is not
-called at all on a text-only batch, and a hook installed where each framework
-wraps the model would need one seam per framework.  verl replaces this
-``forward`` with its own (``apply_monkey_patch``), which already runs the
-dummy: there our wrapper is no longer on the class and does nothing (no second
-dummy).  ``needed_for`` says so for a model instance.  lmms-engine's
-``use_rmpad`` forwards replace it with their own too, *without* a dummy: there
-the same wrapper is put on lmms-engine's function before it is assigned
-(``integrations.lmms_engine``).
+The seam is the transformers base model's ``forward`` (targets in
+``integrations.transformers_media``): the one function every trainer calls
+whatever wraps the model, where the tower is skipped (``get_image_features`` is
+never called on text).  verl's ``apply_monkey_patch`` replaces it with its own
+forward, which runs its own dummy: ours is then off the class (``needed_for``).
+lmms-engine's ``use_rmpad`` forwards replace it without one: the same wrapper
+goes on lmms-engine's function before it is assigned.  For one call the wrapper
+hooks the token embedding the forward calls first and adds the zero to its
+output (to ``inputs_embeds`` when the caller passes them).  It runs only with
+more than one rank, no media, no cached decoding step, and a tower FSDP2
+manages (units of its own or an enclosing one).
 
-How, without re-implementing the forward: the wrapper (``wrapt``) leaves
-transformers' code as released.  For the duration of one call it hooks the
-token embedding module the forward calls first (``get_input_embeddings()``, or
-the one ``media_towers`` names): the hook runs the dummy through the model's
-own ``get_image_features`` and adds the zero to the embedding output.  A caller that passes ``inputs_embeds`` gets the zero added
-to them before the call.  Cost: only when torch.distributed is initialised
-with more than one rank, the micro-batch has no media, the call is not a
-cached decoding step (every rank decodes without media), and the vision tower
-holds FSDP2-sharded parameters (units of its own or an enclosing unit).  The
-dummy's collectives are those of one image micro-batch.  Its compute is a few
-patches through the tower, but on a GPU a tower call costs latency whatever
-its input (per-block Python, launches, host syncs: 0.6 of an image step at
-Qwen2.5-VL-7B geometry on an H200): so only a model's first text-only
-micro-batch runs the real dummy, recorded, and every later one walks the
-recorded units through FSDP2's own hooks without the tower's code
-(``fixes.unit_walk``; ``benchmarks/text_only_cost.py`` times both).
+A caller that runs the tower itself and passes ``inputs_embeds`` (ms-swift's
+Qwen2-VL templates) already keeps its rank in the collectives: a forward hook
+counts the tower's calls outside backward, and such a micro-batch gets no dummy
+when the tower ran since the model's previous forward returned (uniform from a
+model's second micro-batch on).  Images *and* videos on one rank: one tower call
+for both (``media_merge``).  Step-3.7 / DeepSeek-OCR-2 run the tower again for
+local crops: a micro-batch without crops runs a dummy crop (``Tower.pad``).
+GLM-Image runs its tower and VQ tokenizer before the embedding: its dummy runs at
+the forward's entry and adds nothing (``Tower.first``), and a media micro-batch
+tokenizes its images in one call (``Tower.around``, ``vq_tokens``).
 
-A caller that runs the tower itself and passes ``inputs_embeds`` only (ms-swift's
-Qwen2-VL / Qwen2.5-VL templates: image features, or a dummy image's for a
-text-only sample, merged into the embeddings on every rank) already keeps every
-rank in the tower's collectives; a dummy there would be a second tower call
-per micro-batch (a second all-gather and reduce-scatter of every vision unit).
-So a forward hook counts the tower's calls outside backward (a gradient
-checkpoint's recompute is not a call), and a micro-batch with
-``inputs_embeds`` and no media gets no dummy when the tower ran since this
-model's previous forward returned: one tower call per micro-batch on every
-rank, the caller's.  The decision is local and the outcome uniform: each rank
-makes sure its tower ran exactly once for this micro-batch, whether the caller
-ran it on every rank, on some, or on none.  The hook is installed at the first
-distributed forward of a model whose tower is known, so that first micro-batch
-runs the dummy as before (on every rank of an ms-swift-style caller alike);
-a caller that runs the tower on *some* ranks only and passes ``inputs_embeds``
-is uniform from its second micro-batch on.  Not counted as "this micro-batch":
-a tower call by other code between two forwards of the model (its output
-then never reaches this forward); such a caller must not rely on this.
-
-A micro-batch with images *and* videos makes the Qwen forwards run the tower
-twice (once per kind) where every other rank runs it once: on such a call the
-wrapper hands it to ``fixes.media_merge`` (one tower call for both kinds).
-Step-3.7's and DeepSeek-OCR-2's forwards run the tower a second time for local
-crops: there every micro-batch runs it twice, a text-only one on a dummy view
-and crop, one without crops on a dummy crop (``media_towers.Tower.pad``).
-GLM-Image runs its tower and VQ tokenizer *before* the token embedding, and
-only codebook ids reach the loss: its dummy runs at the forward's entry and
-adds nothing (``Tower.first``), and a media micro-batch tokenizes all its
-images in one call, as the dummy does (``Tower.around``, ``fixes.vq_tokens``).
-
-Side effect, by design (verl's own forwards have it too): a rank cannot know
-whether another rank has an image without a collective of its own, so a
-text-only micro-batch always runs the dummy, and on a step where *every* rank
-is text-only the tower's parameters get exactly-zero gradients instead of
-none.  Plain SGD ignores the difference; an optimizer with weight decay or
-momentum (AdamW) then updates the tower as it does on any step where some
-other rank's image reached it.
-
-Fails safe: the targets are fingerprinted per transformers release (the wrapper
-relies on the embedding being called before the tower, on the media argument
-names and on ``get_image_features``); a model whose tower or config
-``media_towers`` does not know (no tower under the attribute its entry names,
-a config without what the dummy needs) is left alone, with one warning per
-class naming why.  Revert restores
-transformers' methods.
+By design (verl's forwards too): on a step where every rank is text-only the
+tower gets exact-zero gradients instead of none (AdamW then updates it as on any
+step where another rank's image reached it).  Fails safe: targets are
+fingerprinted per transformers release; a model whose tower or config
+``media_towers`` does not know is left alone with one warning per class naming
+why.  Details and proofs: docs/how-it-works.md.
 
 Delete when: transformers (or every trainer you run) keeps every rank in the
 vision tower's collectives on text-only micro-batches, or torch FSDP2 tolerates

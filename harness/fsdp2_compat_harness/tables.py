@@ -19,7 +19,7 @@ _CLAUSE = re.compile(r"^\s*(>=|<=|==|>|<)\s*([0-9][0-9A-Za-z.+!-]*)\s*$")
 
 
 def patch_table():
-    from .. import registry
+    from fsdp2_compat import registry
 
     lines = ["| family | `model_type` | patch |", "|---|---|---|"]
     for p in registry.PATCHES:
@@ -29,13 +29,13 @@ def patch_table():
 
 
 def _spans(targets):
-    from ..core.guards import release_spans
+    from fsdp2_compat.core.guards import release_spans
 
     return [span for t in targets for span in release_spans(t)]
 
 
 def _overlaps(spec, spans):
-    from ..core import guards
+    from fsdp2_compat.core import guards
 
     return any(guards.in_range(str(v), spec) for span in spans for v in span)
 
@@ -127,7 +127,7 @@ def cell(targets):
 
 
 def matrix_table():
-    from .. import registry
+    from fsdp2_compat import registry
 
     kinds, dists, by = [], [], {}
     for t in registry.targets():
