@@ -137,7 +137,7 @@ def swift_case(rank, world, directory, family, patches, media=("image",), late=F
     import torch.distributed as dist
 
     import fsdp2_compat
-    from fsdp2_compat.fixes import mixed_media
+    from fsdp2_compat.fixes import mixed_media, unit_walk
     from fsdp2_compat_harness import subset, tiny
     from fsdp2_compat_harness.scenarios import train_against_reference
     from fsdp2_compat_harness.tiny.text import count_forwards, counted_loss, one_rank_with_media
@@ -164,7 +164,7 @@ def swift_case(rank, world, directory, family, patches, media=("image",), late=F
         result = {"error": None, "losses": [], "loss_err": 0.0, "grad_err": 0.0, "worst_grad": None,
                   "param_err": 0.0, "grads_checked": 0, "tower_calls": calls, "loader": loader,
                   "origin_forward": swapped, "status_rows": rows, "template": type(template).__name__}
-        before = dict(mixed_media.STATS)
+        before, walks = dict(mixed_media.STATS), unit_walk.STATS["walks"]
 
         def batches_for(step):
             kind = BATCHES_OF.get(family, family)
@@ -177,6 +177,7 @@ def swift_case(rank, world, directory, family, patches, media=("image",), late=F
         finally:
             template.remove_post_encode_hook()
         result["stats"] = {k: mixed_media.STATS[k] - before.get(k, 0) for k in mixed_media.STATS}
+        result["walks"] = unit_walk.STATS["walks"] - walks  # text-only dummies walked (fixes.unit_walk)
     return result
 
 
