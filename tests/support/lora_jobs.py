@@ -1,0 +1,86 @@
+"""Rank jobs for tests/integrations/test_lora_vlm.py: the four FSDP2 bug classes with PEFT LoRA adapters attached.
+
+``peft.get_peft_model`` (LoRA r=4, Gaussian ``lora_B``: the adapters train from the first step) freezes every
+base parameter, the vision tower's included.  Each job runs the harness's own scenario for its class, with the
+tiny model it builds turned into that LoRA model in this rank process (``_lora_builds``): the frameworks' own
+wrapping, 2 gloo ranks with different data, the unsharded reference a deep copy of the same LoRA model.
+"""
+
+EXPERT_TARGETS = ("q_proj", "v_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _lora(model, targets):
+    import peft
+    import torch
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(targets),
+                                                          init_lora_weights="gaussian"))
+
+
+def _lora_builds(targets):
+    """The harness's builders return the LoRA model (a fresh rank process: nothing to restore)."""
+    from fsdp2_compat_harness import moe_scenarios, tiny
+
+    build, moe_build = tiny.build, moe_scenarios.build
+    tiny.build = lambda family, *args, **kwargs: _lora(build(family, *args, **kwargs), targets)
+    moe_scenarios.build = lambda family: _lora(moe_build(family), targets)
+
+
+def selection(rank, world, framework, patches):
+    """Class 1: GLM-4.1V's frozen tower still reads its ``position_embedding`` raw (``scenarios.train(lora=True)``)."""
+    from fsdp2_compat_harness import scenarios
+
+    return scenarios.train(rank, world, framework, "glm4v", patches, lora=True)
+
+
+def mixed(rank, world, framework, patches, stderr_dir):
+    """Class 3: rank 0 an image, rank 1 text only, 2 steps (rank 1's second text-only micro-batch walks the
+    dummy's units, ``fixes.unit_walk``); the tower frozen."""
+    from fsdp2_compat.fixes import mixed_media, unit_walk
+    from fsdp2_compat_harness import mixed as mixed_scenario
+
+    _lora_builds(("q_proj", "v_proj"))
+    result = mixed_scenario.train_mixed(rank, world, framework, "qwen2_5_vl", patches, stderr_dir, steps=2)
+    result.update(dummy_forwards=mixed_media.STATS["dummy_forwards"], walks=unit_walk.STATS["walks"])
+    return mixed_scenario.gloo_verdict(result, stderr_dir, world)
+
+
+def moe(rank, world, framework, family, patches, *args, **kwargs):
+    """Class 4: ``moe_scenarios.train_moe`` (its arguments) with LoRA on the attention and every expert's
+    projections; the ranks' tokens reach different experts (transformers 4.x runs only the experts a token
+    reaches).  ``tests/support/moe_jobs.run(..., fn=moe)``."""
+    from fsdp2_compat_harness import moe_scenarios
+
+    _lora_builds(EXPERT_TARGETS)
+    return moe_scenarios.train_moe(rank, world, framework, family, patches, *args, **kwargs)
+
+
+def unfreeze(rank, world, framework, patches):
+    """pytorch #186998: bf16 parameters / fp32 reduce; a LoRA warm-up step with the tower frozen (its units'
+    first forward frozen), then the tower unfrozen.  The error text of step 1, or None, and the vision
+    gradients' dtypes."""
+    import torch
+
+    import fsdp2_compat
+    from fsdp2_compat_harness import moe_scenarios, tiny
+    from fsdp2_compat_harness.scenarios import first_line
+
+    if patches:
+        fsdp2_compat.apply(patches)
+    model = _lora(tiny.build("qwen2_5_vl"), ("q_proj", "v_proj"))
+    moe_scenarios.shard(framework, model, world, "bf16")
+    out = {"error": None, "vision_grad_dtypes": []}
+    for step in range(2):
+        if step == 1:
+            for name, param in model.named_parameters():
+                param.requires_grad_(param.requires_grad or ".visual." in name)
+        try:
+            model(**tiny.make_batch("qwen2_5_vl", model, seed=1 + step * world + rank)).loss.backward()
+        except Exception as exc:  # noqa: BLE001 - the upstream error, reported
+            out["error"] = "step %d: %s: %s" % (step, type(exc).__name__, first_line(exc))
+            return out
+    out["vision_grad_dtypes"] = sorted({str(p.grad.dtype) for n, p in model.named_parameters()
+                                        if ".visual." in n and p.grad is not None})
+    return out
