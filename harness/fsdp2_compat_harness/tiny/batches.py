@@ -168,7 +168,8 @@ def _add_mm_token_type_ids(model, batch: dict) -> None:
     ``mm_token_type_ids`` (0 text, 1 image, 2 video); 4.x derives them from ids."""
     import torch
 
-    inner = getattr(model, "model", model)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # (a peft model: its base's)
+    inner = getattr(base, "model", base)
     fn = getattr(inner, "get_rope_index", None)
     if fn is None or not _accepts(fn, "mm_token_type_ids"):
         return
