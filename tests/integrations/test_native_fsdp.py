@@ -13,6 +13,8 @@ average (``native_scenarios``; fp32, 1e-5).  What each bug class does there (tra
   with the dummy, and a walk of it on a rank's second text-only micro-batch;
 - class 1 (GLM-4.1V ``position_embedding``, default plan: in the root unit) and class 4 (Qwen3-MoE, 3-D experts):
   exact unpatched;
+- a user ``fsdp_plan`` (5.23.0+) that frees ``lm_head`` or names GLM-4.1V's ``position_embedding``: the crash,
+  patched too (not covered: ``transformers_fsdp.PATHS``);
 - CPU offload, with the named stand-in ``unpinned_offload`` (``pin_memory=False``; the released pinned policy needs
   an accelerator): ``gather_param`` and the paired head exact, ``full_tensor()`` still unaveraged, the text-only
   dummy exact.  What only a GPU shows (devices) is ``benchmarks/gpu_check.py``'s.
@@ -59,7 +61,15 @@ HEAD = {(read, patch, offload): dict(family="phi", read=read, patches=patch, off
 TEXT_ONLY = {f: _vlm(f, patches=registry.for_model_type(f).name, kinds=MIXED_KINDS) for f in VLMS}
 TEXT_ONLY_OFFLOAD = _vlm("qwen3_vl", patches="qwen3vl", kinds=MIXED_KINDS, offload="unpinned")
 RIGHT = {"glm4v": _vlm("glm4v", kinds=TWO), "qwen3_moe": dict(family="qwen3_moe", kinds=TWO)}
+# 5.23.0+ take a user fsdp_plan: one that frees lm_head, or names GLM-4.1V's raw-read position_embedding, shards it
+# as asked; the patches leave it (readers must use fsdp2_compat.gather_param).
+USER_PLANS = guards.in_range(TRANSFORMERS, ">=5.23.0")
+GLM_PLAN = {"model.visual.blocks.*": "free_full_weight", "model.visual.embeddings.position_embedding": "free_full_weight"}
+AS_ASKED = {"phi": dict(family="phi", read="raw", patches="textlm", kinds=TWO[:1],
+                        config={"fsdp_plan": {"lm_head": "free_full_weight"}}),
+            "glm4v": _vlm("glm4v", patches="glm4v", kinds=TWO[:1], config={"fsdp_plan": GLM_PLAN})}
 CASES = list(HEAD.values()) + list(TEXT_ONLY.values()) + [TEXT_ONLY_OFFLOAD] + list(RIGHT.values())
+CASES += list(AS_ASKED.values()) if USER_PLANS else []
 
 
 @pytest.fixture(scope="module")
@@ -152,3 +162,15 @@ def test_unpatched_text_only_rank_aborts_gloo(family):
     results, gloo, _ = native_scenarios.collect([case], pg_timeout=20, timeout=200)
     print("transformers %s native FSDP2 %s unpatched text-only rank: %s" % (TRANSFORMERS, family, gloo))
     assert results == [None] and gloo is not None and GLOO in gloo, (results, gloo)
+
+
+@pytest.mark.skipif(not USER_PLANS, reason="transformers %s: a user fsdp_plan arrived in 5.23.0" % TRANSFORMERS)
+@pytest.mark.parametrize("family", sorted(AS_ASKED))
+def test_a_user_plan_that_shards_a_raw_read_is_not_covered(ran, family):
+    """What ``transformers_fsdp.PATHS`` records as not covered: the plan's unit, the reader's crash, patched."""
+    results = ran[id(AS_ASKED[family])]
+    _print("%s user plan %s" % (family, AS_ASKED[family]["config"]["fsdp_plan"]), results)
+    op = "aten.mm.default" if family == "phi" else "aten.grid_sampler_2d.default"
+    for r in results:
+        assert r["error"] == MIXED.replace("aten.mm.default", op), r["error"]
+        assert r["native_pairs"] == 0, r  # a freed head is left as asked
