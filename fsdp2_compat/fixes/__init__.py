@@ -164,7 +164,7 @@ MIXED_MEDIA = Fix(
     delete_when="when transformers keeps every rank in the vision tower's collectives on text-only micro-batches in "
                 "every release you run",
     scenarios=("mixed ranks, 2 ranks", "mixed ranks, its own forward, 2 ranks", "ms-swift Qwen3-VL forward, 2 ranks",
-               "audit divergence"),
+               "native FSDP2 mixed ranks, 2 ranks", "audit divergence"),
     tests=("tests/integrations/test_mixed_ranks.py", "tests/integrations/test_mixed_families.py",
            "tests/integrations/test_mixed_media_kinds.py", "tests/integrations/test_lmms_engine_forwards.py",
            "tests/fixes/test_unit_walk.py"),
