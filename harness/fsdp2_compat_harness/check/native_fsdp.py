@@ -11,7 +11,7 @@ unsharded data-parallel reference:
   unpatched gloo aborts (its message, read from the ranks' stderr), patched (``qwen2vl``) exact.
 """
 
-from .scenario import TWO_RANKS_NOTE, TOL, Case, Result, Scenario
+from .scenario import TWO_RANKS_NOTE, Case, Result, Scenario
 
 READER = "native FSDP2 lm_head reader, 2 ranks"
 MIXED = "native FSDP2 mixed ranks, 2 ranks"
@@ -22,19 +22,13 @@ CASES = {READER: ("phi", "qwen2", dict(family="phi", read="raw", kinds=(("image"
 
 
 def summary(per_case, gloo, error):
-    """One side's result dict from ``native_scenarios.collect`` of one case (the worse rank's)."""
-    results = per_case[0]
-    if results is None:
+    """One side's result dict from ``native_scenarios.collect`` of one case (``rank_cases.worst_rank``)."""
+    from ..rank_cases import worst_rank
+
+    if per_case[0] is None:
         return {"error": "gloo: " + gloo.split("] ", 1)[-1] if gloo else (error or "a rank reported nothing"),
                 "loss_err": None}
-    failed = [r for r in results if r["error"] is not None]
-    if failed:
-        return failed[0]
-    worst = max(results, key=lambda r: r["grad_err"])
-    if worst["grad_err"] >= TOL:
-        return dict(worst, error="runs, but the %s gradient misses the data-parallel average by %.2g" % (
-            worst["worst_grad"], worst["grad_err"]))
-    return worst
+    return worst_rank(per_case[0])
 
 
 class NativeFsdp(Scenario):
