@@ -167,7 +167,7 @@ MIXED_MEDIA = Fix(
                "native FSDP2 mixed ranks, 2 ranks", "audit divergence"),
     tests=("tests/integrations/test_mixed_ranks.py", "tests/integrations/test_mixed_families.py",
            "tests/integrations/test_mixed_media_kinds.py", "tests/integrations/test_lmms_engine_forwards.py",
-           "tests/fixes/test_unit_walk.py"),
+           "tests/fixes/test_unit_walk.py", "tests/integrations/test_native_fsdp.py"),
 )
 
 VERL_MEDIA = Fix(
@@ -196,4 +196,5 @@ MOE_EXPERTS = Fix(
 
 # Every fix, in the order the catalogue reads them.
 FIXES = (WRAP_SELECTION, LAYER_CLASS_LOOKUP, GLM4V_FORWARD, VERL_LM_HEAD, TRL_HEAD_READS, DORA_MAGNITUDE, KD_HEAD,
-         ACCELERATE_TIED_TAIL, ACCELERATE_VLM_NORM, NATIVE_TAIL, GRAD_ACCUMULATION, MIXED_MEDIA, VERL_MEDIA, MOE_EXPERTS)
+         ACCELERATE_TIED_TAIL, ACCELERATE_VLM_NORM, NATIVE_TAIL, GRAD_ACCUMULATION, MIXED_MEDIA, VERL_MEDIA,
+         MOE_EXPERTS)

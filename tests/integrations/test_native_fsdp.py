@@ -64,7 +64,8 @@ RIGHT = {"glm4v": _vlm("glm4v", kinds=TWO), "qwen3_moe": dict(family="qwen3_moe"
 # 5.23.0+ take a user fsdp_plan: one that frees lm_head, or names GLM-4.1V's raw-read position_embedding, shards it
 # as asked; the patches leave it (readers must use fsdp2_compat.gather_param).
 USER_PLANS = guards.in_range(TRANSFORMERS, ">=5.23.0")
-GLM_PLAN = {"model.visual.blocks.*": "free_full_weight", "model.visual.embeddings.position_embedding": "free_full_weight"}
+GLM_PLAN = {"model.visual.blocks.*": "free_full_weight",
+            "model.visual.embeddings.position_embedding": "free_full_weight"}
 AS_ASKED = {"phi": dict(family="phi", read="raw", patches="textlm", kinds=TWO[:1],
                         config={"fsdp_plan": {"lm_head": "free_full_weight"}}),
             "glm4v": _vlm("glm4v", patches="glm4v", kinds=TWO[:1], config={"fsdp_plan": GLM_PLAN})}
