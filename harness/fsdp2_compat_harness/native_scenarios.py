@@ -100,6 +100,7 @@ def native_cases(rank, world, directory, cases):
 
 
 def native_case(rank, world, path, case):
+    import contextlib
     import time
     import types
 
@@ -110,6 +111,7 @@ def native_case(rank, world, path, case):
     from . import subset
     from .accelerate_scenarios import head_layout, reader_forward
     from .scenarios import train_against_reference
+    from .tiny import moe
     from .trl_scenarios import rank_env
 
     start = time.monotonic()
@@ -152,8 +154,13 @@ def native_case(rank, world, path, case):
         return module(**b).loss, None
 
     torch.manual_seed(0)
-    result = train_against_reference(model, reference, rank, world, result, batches_for, loss_of,
-                                     steps=len(case["kinds"]), lr=0.05)
+    with contextlib.ExitStack() as stack:
+        if case["family"] in moe.CLASSES:  # the experts this rank's tokens reached, over every step
+            hits = stack.enter_context(moe.hits(model))
+        result = train_against_reference(model, reference, rank, world, result, batches_for, loss_of,
+                                         steps=len(case["kinds"]), lr=0.05)
+    if case["family"] in moe.CLASSES:
+        result["hits"] = [{name: sorted(seen) for name, seen in hits.items()}]  # moe_scenarios.differing_experts
     after = (mixed_media.STATS["dummy_forwards"], unit_walk.STATS["walks"], tail_unit.STATS["native_pairs"])
     result.update(dummy_forwards=after[0] - before[0], walks=after[1] - before[1], native_pairs=after[2] - before[2],
                   seconds=round(time.monotonic() - start, 2))
