@@ -43,7 +43,8 @@ wrong:
    jamba, lfm2 keep the head alone: the crash / unaveraged gradient of 2.
    During that call its module-global ``fully_shard`` is wrapped (1's rule)
    and the call for the head alone with ``reshard_after_forward=False``
-   shards ``[decoder_norm(model), head]``.  A head a user plan frees is left.
+   shards ``[decoder_norm(model), head]``.  A head a user plan frees, or a
+   tied head, is left as transformers shards it.
 
 Fails safe: a norm that already lives in another unit (an ancestor was
 sharded, or it was itself) is not offered; a model without a decoder, or a
@@ -214,8 +215,10 @@ def native_apply_seam(module, attr):
         raise Drift("%s has no module-global fully_shard" % module.__name__)
 
     def apply(wrapped, instance, args, kwargs):
+        from .selection import _call_optional
+
         model = args[0] if args else kwargs.get("model")
-        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        head = None if tied_embeddings(model) else _call_optional(model, "get_output_embeddings")  # tied: as is
 
         def rule(modules, kwargs_):  # the head alone, kept through the forward: shard [final norm, head]
             if head is None or modules is not head or kwargs_.get("reshard_after_forward") is not False:
