@@ -19,6 +19,13 @@ patched gradient equal to an unsharded reference.  One line per case:
              patch ``glm4v``
   fused      verl's fused-kernel Qwen3-VL forward (``apply_monkey_patch``, torch
              backend) with bf16 parameters / fp32 reduce; patch ``qwen3vl``
+  offload_rotary  issue #42 item 2: a tiny Qwen3-VL on the device with every non-persistent buffer
+             (``inv_freq``) moved to the CPU, as SkyRL 0.3.0-0.4.0's ``_sync_non_persistent_buffers`` leaves
+             them under ``cpu_offload``; one image step: whether the installed transformers' rotaries take
+             a CPU ``inv_freq`` (a device mismatch on CUDA, predicted through 5.19.0 for the vision rotary).
+             Found, not covered: no patch moves them back, both sides are expected alike.  (The offload
+             checks of transformers' native FSDP2 need 2 GPUs: it shards only when dp_replicate_size *
+             fsdp_size > 1.)
   cost       ``benchmarks/text_only_cost.py``'s rows at Qwen2.5-VL-7B geometry
              (its 32-block tower, 4 text layers at 3584, its untied 152k
              vocabulary, bf16 parameters / fp32 reduce, 2048-token micro-batches,
@@ -45,7 +52,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path[:0] = [REPO, HERE]
 
-CASES = {"liger": "qwen2vl", "selection": "glm4v", "fused": "qwen3vl"}
+CASES = {"liger": "qwen2vl", "selection": "glm4v", "fused": "qwen3vl", "offload_rotary": "qwen3vl"}
 
 
 def _init(device):
@@ -171,6 +178,22 @@ def case_liger(device):
     reference(**batch).loss.backward()
     torch.cuda.synchronize() if device == "cuda" else None
     return {"grad_err": _grad_err(model, reference)}
+
+
+def case_offload_rotary(device):
+    from fsdp2_compat_harness import native_scenarios, tiny
+
+    model = tiny.build("qwen3_vl", tie=False, seed=0).to(device)
+    moved = 0
+    for module in model.modules():  # what SkyRL 0.3.0-0.4.0's _sync_non_persistent_buffers leaves (src.cpu())
+        for key in list(module._non_persistent_buffers_set):
+            if module._buffers.get(key) is not None:
+                module._buffers[key] = module._buffers[key].cpu()
+                moved += 1
+    batch = {k: v.to(device) if hasattr(v, "to") else v for k, v in
+             native_scenarios.batch("qwen3_vl", model, 1, "image").items()}
+    model(**batch).loss.backward()
+    return {"buffers on cpu": moved}
 
 
 def case_cost(device, quick):

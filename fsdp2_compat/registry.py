@@ -106,10 +106,10 @@ PATCHES = (
         name="textlm",
         summary="verl fused kernels: `aten.mm.default` mixed Tensor/DTensor (the sharded `lm_head.weight` is read raw)",
         model_types={"qwen2": "Qwen2 / Qwen2.5", "qwen3": "Qwen3", "llama": "Llama"},
-        note="and any other text-only causal LM verl serves through its dense_common fused forward; TRL's "
-        "lm_head reads are gathered too (text models are already right under accelerate, whose tail unit holds "
-        "the final norm)",
-        fixes=(F.VERL_LM_HEAD,) + TRAINER_READS + (F.ACCELERATE_TIED_TAIL,),
+        note="and any other text-only causal LM verl serves through its dense_common fused forward (or "
+        "transformers' native FSDP2 shards: Phi, whose final norm is not called `norm`); TRL's lm_head reads are "
+        "gathered too (text models are already right under accelerate, whose tail unit holds the final norm)",
+        fixes=(F.VERL_LM_HEAD,) + TRAINER_READS + (F.ACCELERATE_TIED_TAIL, F.NATIVE_TAIL),
     ),
     _patch(
         name="moe",
@@ -121,7 +121,8 @@ PATCHES = (
         note="the text MoE families; GLM-4.5V's experts come with the glm4v patch, and Qwen3-VL-MoE and "
         "Qwen3.5-MoE keep 3-D experts in every release (nothing to fix). Also carries textlm's targets (verl's fused "
         "text forward, TRL's reads, accelerate 1.14.0's tied tail)",
-        fixes=(F.MOE_EXPERTS, F.GRAD_ACCUMULATION, F.VERL_LM_HEAD) + TRAINER_READS + (F.ACCELERATE_TIED_TAIL,),
+        fixes=(F.MOE_EXPERTS, F.GRAD_ACCUMULATION, F.VERL_LM_HEAD) + TRAINER_READS + (F.ACCELERATE_TIED_TAIL,
+                                                                                 F.NATIVE_TAIL),
     ),
     _selection_patch(
         "lfm2vl",

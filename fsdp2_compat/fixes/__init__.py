@@ -127,6 +127,20 @@ ACCELERATE_VLM_NORM = Fix(
     tests=("tests/integrations/test_accelerate.py",),
 )
 
+NATIVE_TAIL = Fix(
+    name="transformers-native-tail",
+    what="transformers' native FSDP2 gives a lone kept head its decoder's final norm",
+    seams={"apply": _F + "tail_unit:native_apply_seam"},
+    symptom="transformers >= 5.15 native FSDP2 (`from_pretrained(..., distributed_config=DistributedConfig(fsdp_size"
+            "=N))`), a final norm not called `norm` (Phi, dbrx, jamba, lfm2): `lm_head` alone in its unit, so an "
+            "in-forward reader of `lm_head.weight` (Liger-Kernel, custom losses) crashes with `aten.mm.default got "
+            "mixed torch.Tensor and DTensor` or, with `full_tensor()`, trains `lm_head` on one rank's gradient",
+    delete_when="when transformers' native FSDP2 pairs a kept lm_head with any decoder final norm in every release "
+                "you run",
+    scenarios=("native FSDP2 lm_head reader, 2 ranks",),
+    tests=("tests/integrations/test_native_fsdp.py",),
+)
+
 GRAD_ACCUMULATION = Fix(
     name="grad-accumulation",
     what="torch FSDP2 gradient accumulation over micro-batches that leave a unit unused",
@@ -150,10 +164,10 @@ MIXED_MEDIA = Fix(
     delete_when="when transformers keeps every rank in the vision tower's collectives on text-only micro-batches in "
                 "every release you run",
     scenarios=("mixed ranks, 2 ranks", "mixed ranks, its own forward, 2 ranks", "ms-swift Qwen3-VL forward, 2 ranks",
-               "audit divergence"),
+               "native FSDP2 mixed ranks, 2 ranks", "audit divergence"),
     tests=("tests/integrations/test_mixed_ranks.py", "tests/integrations/test_mixed_families.py",
            "tests/integrations/test_mixed_media_kinds.py", "tests/integrations/test_lmms_engine_forwards.py",
-           "tests/fixes/test_unit_walk.py"),
+           "tests/fixes/test_unit_walk.py", "tests/integrations/test_native_fsdp.py"),
 )
 
 VERL_MEDIA = Fix(
@@ -182,4 +196,5 @@ MOE_EXPERTS = Fix(
 
 # Every fix, in the order the catalogue reads them.
 FIXES = (WRAP_SELECTION, LAYER_CLASS_LOOKUP, GLM4V_FORWARD, VERL_LM_HEAD, TRL_HEAD_READS, DORA_MAGNITUDE, KD_HEAD,
-         ACCELERATE_TIED_TAIL, ACCELERATE_VLM_NORM, GRAD_ACCUMULATION, MIXED_MEDIA, VERL_MEDIA, MOE_EXPERTS)
+         ACCELERATE_TIED_TAIL, ACCELERATE_VLM_NORM, NATIVE_TAIL, GRAD_ACCUMULATION, MIXED_MEDIA, VERL_MEDIA,
+         MOE_EXPERTS)

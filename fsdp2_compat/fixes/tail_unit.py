@@ -1,4 +1,5 @@
-"""accelerate's FSDP2 tail unit: the output head shares a unit with the module whose forward unshards it.
+"""The FSDP2 tail unit (accelerate's, transformers' native): the output head shares a unit with the module whose
+forward unshards it.
 
 accelerate's ``fsdp2_prepare_model`` (1.14.0+) carves the model's end into
 one unit, ``fully_shard([final_norm, head...], reshard_after_forward=False)``:
@@ -36,25 +37,37 @@ wrong:
    ``language_model`` attribute): the rule accelerate applies to text
    models, applied to the text model inside the VLM.  The decoder's norm runs
    right before the head, as the base model's norm does in a text model.
+3. ``native_apply_seam`` (transformers 5.15.0+ native FSDP2): its
+   ``apply_fully_sharded_data_parallelism`` pairs a kept head with the final
+   norm only when that is called ``norm``; Phi (``final_layernorm``), dbrx,
+   jamba, lfm2 keep the head alone: the crash / unaveraged gradient of 2.
+   During that call its module-global ``fully_shard`` is wrapped (1's rule)
+   and the call for the head alone with ``reshard_after_forward=False``
+   shards ``[decoder_norm(model), head]``.  A head a user plan frees, or a
+   tied head, is left as transformers shards it.
 
 Fails safe: a norm that already lives in another unit (an ancestor was
 sharded, or it was itself) is not offered; a model without a decoder, or a
 decoder without a norm, keeps upstream's answer; where the weights are untied
-the prepare seam calls upstream's function untouched.  Both seams are
-installed only on fingerprinted code (``fsdp2_compat.integrations.accelerate``).
+the prepare seam calls upstream's function untouched.  Every seam is
+installed only on fingerprinted code (``integrations.accelerate``, ``integrations.transformers_fsdp``).
 
 Upstream: accelerate PR #4015 (the tail unit), PR #4171 (tied fix, 1.15.0);
-the VLM norm has no accelerate issue yet.  Delete when every accelerate you
-run is >= 1.15.0 and finds a VLM decoder's final norm.
+the VLM norm has no accelerate issue yet; transformers' native FSDP2 tail:
+no upstream issue yet.  Delete when every accelerate you run is >= 1.15.0 and
+finds a VLM decoder's final norm, and transformers pairs any final norm with
+a kept head.
 """
 
+import contextlib
 import contextvars
 import threading
 
-# During a tied 1.14.0 preparation: (input embedding, output embedding) of the model being prepared.
-_tied = contextvars.ContextVar("fsdp2_compat_tied_tail", default=None)
+# While a seam's call runs: how a ``fully_shard(modules, **kwargs)`` call is rewritten (None: unchanged).
+_rewrite = contextvars.ContextVar("fsdp2_compat_tail_rewrite", default=None)
 _swap_lock = threading.Lock()
-_swapped = {"depth": 0, "torch": None}  # tied preparations in progress; torch's fully_shard meanwhile
+_swapped = {}  # namespace module name -> [calls in progress, the fully_shard it held before]
+STATS = {"native_pairs": 0}  # transformers' lone heads given their decoder's norm (tests read it)
 
 
 def _is_norm(module):
@@ -128,42 +141,39 @@ def tied_embeddings(model):
 
 
 def _tail_call(wrapped, instance, args, kwargs):
-    """``fully_shard`` while a tied preparation runs: the tail list gets the head as well."""
-    plan = _tied.get()
+    """``fully_shard`` while a seam's call runs: the module list the context's rule returns, if any."""
+    rule = _rewrite.get()
     modules = args[0] if args else kwargs.get("module")
-    if plan is None or not isinstance(modules, (list, tuple)):
+    modules = rule(modules, kwargs) if rule is not None else None
+    if modules is None:
         return wrapped(*args, **kwargs)
-    embed, head = plan
-    if any(m is embed for m in modules) and not any(m is head for m in modules):
-        modules = list(modules) + [head]
-        if args:
-            args = (modules,) + tuple(args[1:])
-        else:
-            kwargs = dict(kwargs, module=modules)
-    return wrapped(*args, **kwargs)
+    if args:
+        return wrapped(modules, *args[1:], **kwargs)
+    return wrapped(*args, **dict(kwargs, module=modules))
 
 
-def _install_tail_call():
-    import torch.distributed.fsdp as fsdp
+@contextlib.contextmanager
+def _tail_calls(namespace, rule):
+    """During the block, ``namespace.fully_shard`` rewritten by ``rule`` in this context (others: unchanged)."""
     import wrapt
 
+    token = _rewrite.set(rule)
     with _swap_lock:
-        if _swapped["depth"] == 0:
-            _swapped["torch"] = fsdp.__dict__["fully_shard"]
-            fsdp.fully_shard = wrapt.FunctionWrapper(_swapped["torch"], _tail_call)
-        _swapped["depth"] += 1
-
-
-def _remove_tail_call():
-    import torch.distributed.fsdp as fsdp
-
-    with _swap_lock:
-        _swapped["depth"] -= 1
-        if _swapped["depth"] == 0:
-            current = fsdp.__dict__.get("fully_shard")
-            if getattr(current, "__wrapped__", None) is _swapped["torch"]:  # still ours: restore torch's
-                fsdp.fully_shard = _swapped["torch"]
-            _swapped["torch"] = None
+        entry = _swapped.setdefault(namespace.__name__, [0, None])
+        if entry[0] == 0:
+            entry[1] = namespace.__dict__["fully_shard"]
+            namespace.fully_shard = wrapt.FunctionWrapper(entry[1], _tail_call)
+        entry[0] += 1
+    try:
+        yield
+    finally:
+        with _swap_lock:
+            entry[0] -= 1
+            if entry[0] == 0:
+                if getattr(namespace.__dict__.get("fully_shard"), "__wrapped__", None) is entry[1]:
+                    namespace.fully_shard = entry[1]  # still ours: give the original back
+                entry[1] = None
+        _rewrite.reset(token)
 
 
 def prepare_model_seam(module, attr):
@@ -181,12 +191,45 @@ def prepare_model_seam(module, attr):
         tied = tied_embeddings(model) if model is not None else None
         if tied is None:
             return wrapped(*args, **kwargs)
-        token = _tied.set(tied)
-        _install_tail_call()
-        try:
+        embed, head = tied
+
+        def rule(modules, _kwargs):  # the tail list [norm, embed] gets the head as well
+            if isinstance(modules, (list, tuple)) and any(m is embed for m in modules) \
+                    and not any(m is head for m in modules):
+                return list(modules) + [head]
+            return None
+
+        with _tail_calls(fsdp, rule):
             return wrapped(*args, **kwargs)
-        finally:
-            _remove_tail_call()
-            _tied.reset(token)
 
     return {attr: wrapt.FunctionWrapper(module.__dict__[attr], prepare)}
+
+
+def native_apply_seam(module, attr):
+    """Seam for ``transformers.distributed.fsdp:apply_fully_sharded_data_parallelism`` (a lone kept head)."""
+    import wrapt
+
+    from ..core.guards import Drift
+
+    if not callable(module.__dict__.get("fully_shard")):
+        raise Drift("%s has no module-global fully_shard" % module.__name__)
+
+    def apply(wrapped, instance, args, kwargs):
+        from .selection import _call_optional
+
+        model = args[0] if args else kwargs.get("model")
+        head = None if tied_embeddings(model) else _call_optional(model, "get_output_embeddings")  # tied: as is
+
+        def rule(modules, kwargs_):  # the head alone, kept through the forward: shard [final norm, head]
+            if head is None or modules is not head or kwargs_.get("reshard_after_forward") is not False:
+                return None
+            norm = decoder_norm(model)
+            if norm is None:
+                return None
+            STATS["native_pairs"] += 1
+            return [norm, head]
+
+        with _tail_calls(module, rule):
+            return wrapped(*args, **kwargs)
+
+    return {attr: wrapt.FunctionWrapper(module.__dict__[attr], apply)}

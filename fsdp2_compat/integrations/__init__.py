@@ -14,15 +14,15 @@ not a framework: it has no ``wrap_module`` (``wrapping()`` lists those that have
 neither has accelerate (its ``fsdp2_prepare_model`` takes the accelerator, not an
 ``apply_fsdp2``-style call the wrap-selection harness makes), nor axolotl and ms-swift (which prepare through it;
 ms-swift has no target: ``ms_swift.PATHS`` says what covers each of its paths), nor transformers
-(``transformers_media``, ``transformers_moe``: the model code a patch wraps).
+(``transformers_media``, ``transformers_moe``: the model code a patch wraps; ``transformers_fsdp``: its native FSDP2).
 """
 
-from . import (accelerate, areal, axolotl, llamafactory, lmms_engine, ms_swift, skyrl, torch_fsdp, transformers_media,
-               transformers_moe, trl, verl)
+from . import (accelerate, areal, axolotl, llamafactory, lmms_engine, ms_swift, skyrl, torch_fsdp, transformers_fsdp,
+               transformers_media, transformers_moe, trl, verl)
 
 INTEGRATIONS = (verl.INTEGRATION, skyrl.SKYRL_INTEGRATION, skyrl.SKYRL_TRAIN_INTEGRATION, areal.INTEGRATION,
                 llamafactory.INTEGRATION, lmms_engine.INTEGRATION, trl.INTEGRATION, accelerate.INTEGRATION,
-                axolotl.INTEGRATION, ms_swift.INTEGRATION, torch_fsdp.INTEGRATION, transformers_media.INTEGRATION)
+                axolotl.INTEGRATION, ms_swift.INTEGRATION, torch_fsdp.INTEGRATION, transformers_fsdp.INTEGRATION)
 
 _BY_DIST = {i.dist: i for i in INTEGRATIONS}
 
@@ -46,7 +46,7 @@ def wrapping():
 
 # The order targets are listed in (and so each fix's targets within a patch): the libraries every stack trains
 # on, then the frameworks.
-_TARGET_MODULES = (torch_fsdp, transformers_media, transformers_moe, accelerate, verl, skyrl, areal, llamafactory,
+_TARGET_MODULES = (torch_fsdp, transformers_media, transformers_moe, transformers_fsdp, accelerate, verl, skyrl, areal, llamafactory,
                    lmms_engine, trl, axolotl)
 
 

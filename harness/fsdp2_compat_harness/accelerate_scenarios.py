@@ -11,7 +11,8 @@ and trains it against the data-parallel reference
   Trainer and axolotl; Liger needs Triton, so the forward is the harness's
   own), installed on the instance the way Liger installs its forward on the class;
 - ``read="full_tensor"``: the same, calling ``full_tensor()`` on a DTensor
-  (what a custom loss does to get past the crash);
+  (what a custom loss does to get past the crash); ``read="gather"``: through
+  ``fsdp2_compat.gather_param``;
 - ``read`` in ``TRL_READERS``: TRL 1.4.0-1.14.2's own chunked forwards,
   installed by TRL's own functions;
 - ``read=None``: the model's own forward.
@@ -38,6 +39,10 @@ def _head_weight(model, read):
     weight = model.lm_head.weight
     if read == "full_tensor" and isinstance(weight, DTensor):
         return weight.full_tensor()  # a custom loss's "fix" of the crash: the gradient is not averaged
+    if read == "gather":  # the package's public API for one's own raw reads (its unit unsharded)
+        import fsdp2_compat
+
+        return fsdp2_compat.gather_param(model.lm_head)
     return weight  # Liger-Kernel 0.8.5: ``lm_head_weight=self.lm_head.weight``
 
 

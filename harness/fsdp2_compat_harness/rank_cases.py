@@ -59,6 +59,12 @@ def two_ranks(fn, *args, **run_options):
         results = run_ranks(fn, 2, *args, kwargs={"steps": 1}, **run_options)
     except Exception as exc:  # the scenario itself broke: report, do not die
         return {"error": "%s: %s" % (type(exc).__name__, first_line(exc)), "loss_err": None, "output": ""}
+    return worst_rank(results)
+
+
+def worst_rank(results):
+    """One row's dict from every rank's result: the first error, else the rank with the worst gradient (an error
+    naming the gradient and its distance from the data-parallel average when that misses ``TOL``)."""
     errors = [r for r in results if r["error"] is not None]
     if errors:
         return errors[0]

@@ -302,7 +302,8 @@ def fused_loss(out, batch):
     return -(out.log_probs * mask).sum() / mask.sum() - 0.01 * (out.entropy * mask).sum() / mask.sum()
 
 
-def train_fused(rank, world, family, patches, steps=2, mesh_shape=None, bf16=False, lr=0.05, convention="instance"):
+def train_fused(rank, world, family, patches, steps=2, mesh_shape=None, bf16=False, lr=0.05, convention="instance",
+                offload=False):
     """verl's fused-kernel path (``use_fused_kernels=True``, torch backend) on real FSDP2.
 
     The model goes through verl's own ``apply_monkey_patch`` and
@@ -318,7 +319,10 @@ def train_fused(rank, world, family, patches, steps=2, mesh_shape=None, bf16=Fal
     target keys: verl's GLM4V forward runs on most transformers only with the
     ``glm4v`` patch's forward targets, so GLM4V's "unpatched" side names them).
     ``convention``: how the sharded model's ``forward`` reaches the one verl
-    installed on its class (``fsdp2_compat_harness.conventions``).
+    installed on its class (``fsdp2_compat_harness.conventions``).  ``offload``:
+    ``offload_policy=CPUOffloadPolicy(pin_memory=False)``, a named stand-in for
+    verl's pinned policy (pinning needs an accelerator; on CPU the compute device
+    is the CPU, so only the gradient's averaging is shown, never a device).
     """
     import copy
 
@@ -346,6 +350,10 @@ def train_fused(rank, world, family, patches, steps=2, mesh_shape=None, bf16=Fal
     kwargs = {"mesh": mesh}
     if bf16:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if offload:
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
     fsdp_utils.apply_fsdp2(model, kwargs, {})
 
     seen, recording = [], [False]

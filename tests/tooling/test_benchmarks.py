@@ -172,3 +172,4 @@ def test_gpu_check_runs_its_cases_on_the_cpu():
     assert "selection | unpatched: RuntimeError: aten.grid_sampler_2d.default got mixed torch.Tensor and DTensor" \
         in out and "patched (glm4v): trains" in out, out
     assert "cost      | walk" in out, out
+    assert "offload_rotary | unpatched: trains" in out, out  # CPU buffers on a CPU run: what only a GPU can show

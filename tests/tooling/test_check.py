@@ -266,3 +266,17 @@ def test_check_shows_ms_swifts_text_only_rank_abort_and_grpo_head_crash_and_the_
         assert row["version"] == guards.installed_version("ms-swift"), row
         assert row["patch"] == registry.for_model_type(row["family"]).name, row
         assert row["patched"] == "ok" and row["loss_match"] and row["loss_err"] < 1e-5 and row["fixed"], row
+
+
+@pytest.mark.skipif(not guards.in_range(guards.installed_version("transformers") or "0", ">=5.15.0"),
+                    reason="transformers < 5.15.0 has no native FSDP2: check makes no native rows")
+def test_check_shows_native_fsdp2_bugs_and_the_fixes(report):
+    """transformers' own FSDP2: a lone head's reader crashes, a text-only rank aborts gloo; both fixed."""
+    from fsdp2_compat_harness import mixed
+    from fsdp2_compat_harness.check import native_fsdp
+
+    rows = {r["kind"]: r for r in _rows(report, framework="transformers") if r["kind"] in native_fsdp.CASES}
+    assert set(rows) == set(native_fsdp.CASES), report["rows"]
+    assert "aten.mm.default got mixed torch.Tensor and DTensor" in rows[native_fsdp.READER]["unpatched"]
+    assert mixed.GLOO_MISMATCH in rows[native_fsdp.MIXED]["unpatched"], rows[native_fsdp.MIXED]
+    assert all(r["patched"] == "ok" and r["loss_match"] and r["fixed"] for r in rows.values()), rows
