@@ -66,6 +66,7 @@ with an averaged gradient) in every release you run.
 """
 
 import contextlib
+import threading
 import weakref
 
 # group -> ids of its FSDPParams read with autograd on whose gradient is not complete yet
@@ -264,13 +265,15 @@ def _warn_dropped_media(model, kwargs):
 
 
 def wrap_lm_head_reader(original):
-    """Wrap a forward ``f(self, ...)`` that reads ``self.lm_head.weight`` directly."""
+    """Wrap a forward ``f(self, ...)`` that reads ``self.lm_head.weight`` directly (and, without a
+    ``shift_labels`` parameter, rolls its labels itself: ``_global_labels`` inside an SP caller)."""
     import wrapt
 
     from ..core import calls
 
     drops_media = getattr(original, "__module__", "").endswith(".dense_common")
     signature = calls.Signature(original)
+    rolls_locally = "shift_labels" not in signature._known and "labels" in signature._known
 
     def forward(wrapped, instance, args, kwargs):
         model = signature.receiver(instance, args, kwargs)
@@ -280,10 +283,67 @@ def wrap_lm_head_reader(original):
         if lm_head is None:
             calls.missing(signature.where, "a model with an lm_head (got %s)" % type(model).__name__)
             return wrapped(*args, **kwargs)
+        if rolls_locally and getattr(_SP_CALLER, "depth", 0):
+            args, kwargs = _global_labels(model, signature, instance, args, kwargs)
         with gathered(lm_head):
             return wrapped(*args, **kwargs)
 
     return wrapt.FunctionWrapper(original, forward)
+
+
+# Inside verl 0.6.0-0.7.1's Ulysses callers (``sp_caller_seam``): their fused forwards roll labels on the shard.
+_SP_CALLER = threading.local()
+_SLICES = weakref.WeakKeyDictionary()  # model class -> verl slices its input after the embedding (VLMs)
+
+
+def _global_labels(model, signature, instance, args, kwargs):
+    """``(args, kwargs)`` whose ``labels`` the released forward's own ``roll(labels, -1)`` turns into this SP
+    rank's slice of the labels rolled over the whole sequence (what 0.8.0's callers pass as ``shift_labels``).
+
+    A VLM (verl slices its input after the embedding) is handed the full padded sequence: roll it, keep this
+    rank's slice (verl's ``slice_input_tensor``).  A text model is handed its shard: its last label is the
+    next SP rank's first token (one all-gather of one token per row; every SP rank runs this forward)."""
+    import torch
+    from verl.utils import ulysses
+
+    sp = ulysses.get_ulysses_sequence_parallel_world_size()
+    labels = signature.argument("labels", instance, args, kwargs)
+    source = labels if labels is not None else signature.argument("input_ids", instance, args, kwargs)
+    if sp <= 1 or source is None:
+        return args, kwargs
+    cls = type(model)
+    if cls not in _SLICES:
+        _SLICES[cls] = any(type(m).forward.__name__ == "ulysses_wrapped_decoder_forward" for m in model.modules())
+    if _SLICES[cls]:
+        local = ulysses.slice_input_tensor(torch.roll(source, -1, -1), dim=-1, padding=False)
+    else:
+        firsts = [torch.empty_like(source[..., :1]) for _ in range(sp)]
+        group = ulysses.get_ulysses_sequence_parallel_group()
+        torch.distributed.all_gather(firsts, source[..., :1].contiguous(), group=group)
+        local = torch.cat([source[..., 1:], firsts[(ulysses.get_ulysses_sequence_parallel_rank() + 1) % sp]], -1)
+    index = signature._index.get("labels", -1) - (instance is not None)
+    if 0 <= index < len(args):
+        return args[:index] + (torch.roll(local, 1, -1),) + args[index + 1:], kwargs
+    return args, dict(kwargs, labels=torch.roll(local, 1, -1))
+
+
+def sp_caller_seam(module, attr):
+    """Seam for verl 0.6.0-0.7.1's Ulysses callers of the fused forwards (``DataParallelPPOActor.
+    _forward_micro_batch``, ``FSDPEngineWithLMHead.forward_step``): inside them the forward wrapper above
+    rolls the labels over the whole sequence.  Everything else is upstream's call unchanged."""
+    import wrapt
+
+    from ..core import calls
+
+    def call(wrapped, instance, args, kwargs):
+        depth = getattr(_SP_CALLER, "depth", 0)
+        _SP_CALLER.depth = depth + 1
+        try:
+            return wrapped(*args, **kwargs)
+        finally:
+            _SP_CALLER.depth = depth
+
+    return {attr: wrapt.FunctionWrapper(calls.lookup(module, attr), call)}
 
 
 def lm_head_reader_seam(module, attr):
