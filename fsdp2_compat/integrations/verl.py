@@ -280,12 +280,8 @@ QWEN3_5_FUSED = (
     }),
 )
 
-# verl 0.6.0-0.7.1's Ulysses SP callers compute the right labels (``torch.roll`` over the whole packed sequence,
-# then SP-sliced) but never pass them: the fused forwards above (no ``shift_labels`` parameter) roll
-# ``labels or input_ids`` on what they get.  A VLM gets the full padded sequence and its hidden states are sliced
-# after the embedding, so every SP rank uses SP rank 0's labels; a text model gets its shard, so the last label of
-# every shard is wrong.  No error.  Inside these callers ``fixes.gather`` hands the forward the global roll's slice.
-# 0.8.0 (PR #6268) passes ``shift_labels``; dp_actor is gone there.
+# verl 0.6.0-0.7.1's Ulysses SP callers roll the labels over the whole sequence but never pass them: the fused
+# forwards above roll on what they get (``fixes.gather``'s docstring); 0.8.0 passes ``shift_labels`` (PR #6268).
 _SP_FAMILIES = tuple(dict.fromkeys(_FAMILIES["qwen2_vl"] + _FAMILIES["qwen3_vl"] + _FAMILIES["glm4v"]
                                    + _FAMILIES["dense_common"]))
 _SP_FIXED = "the engine passes shift_labels (the SP-sliced global roll) and the fused forwards use it (PR #6268)"
