@@ -302,7 +302,7 @@ SP_CALLERS = (
         "0.7.1": "90bb2b2b3d19a2e6",
     }, {"<0.4.1": "no fused forwards before 0.4.1", ">=0.8.0.dev0": "no dp_actor: " + _SP_FIXED},
         {">=0.4.1,<0.6.0": "the same forwards, but the caller decides 'VLM' by multi_modal_inputs in the micro-batch "
-                           "(verl #2639: a VLM's text-only micro-batch is sliced twice): not covered"}),
+                           "(verl #2639: a VLM's text-only micro-batch is sliced twice)"}),
     _sp_caller("verl.workers.engine.fsdp.transformer_impl", "FSDPEngineWithLMHead.forward_step",
                {"0.6.0-0.6.1": "202aac30425c9ab6", "0.7.0-0.7.1": "2825e510786f2b0f"},
                {"<0.6.0": "no verl.workers.engine.fsdp.transformer_impl module", ">=0.8.0.dev0": _SP_FIXED}),

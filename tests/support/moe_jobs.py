@@ -1,7 +1,7 @@
 """Rank jobs for tests/integrations/test_moe_experts.py (test-only harness; never in the wheel)."""
 
 
-def run(framework, family, patches, precision=None, accumulate=1, steps=2, pg_timeout=20):
+def run(framework, family, patches, precision=None, accumulate=1, steps=2, pg_timeout=20, checkpointing=None):
     """``moe_scenarios.train_moe`` on 2 gloo ranks: ``(results or None, stderr per rank, experts that differ)``.
 
     gloo aborts the rank that sees a collective mismatch, so the ranks' stderr and the experts each reached
@@ -16,7 +16,7 @@ def run(framework, family, patches, precision=None, accumulate=1, steps=2, pg_ti
     with tempfile.TemporaryDirectory(prefix="moe_experts_") as tmp:
         try:
             results = run_ranks(moe_scenarios.train_moe, 2, framework, family, patches, precision, accumulate, steps,
-                                kwargs={"stderr_dir": tmp}, timeout=pg_timeout + 120, retries=0,
+                                kwargs={"stderr_dir": tmp, "checkpointing": checkpointing}, timeout=pg_timeout + 120, retries=0,
                                 pg_timeout=pg_timeout)
         except RankError as exc:
             results, died = None, str(exc)
