@@ -1,4 +1,4 @@
-"""verl's fused forwards under Ulysses sequence parallelism, through verl's own actor, on CPU gloo ranks.
+"""verl's fused forwards under Ulysses sequence parallelism, through verl's own actor and engine, on CPU gloo ranks.
 
 ``train_sp(rank, world, family, patches)``: verl 0.6.0-0.7.1's SP callers compute the labels rolled over the
 whole packed sequence but never pass them to the fused forward, which rolls ``labels or input_ids`` on what
@@ -27,6 +27,7 @@ of issue #42 (scratch ``item3_sp_labels.py``).
 """
 
 import copy
+import functools
 import importlib
 
 SP = 2
@@ -274,3 +275,86 @@ def _wrong(batch, used, rank, world):
     expected = padded[start:start + local]
     keep = torch.arange(start, start + local) < nnz - 1  # the wrap-around and verl's SP padding: discarded
     return int(((used[:local] != expected) & keep).sum())
+
+
+
+def train_engine_sp(rank, world, family, model_dir, patches):
+    """The same through verl's ``FSDPEngineWithLMHead`` (``EngineRegistry``, ``engines.cpu``'s CPU platform):
+    ``ulysses_sequence_parallel_size=world``, remove-padding, fused kernels, fp32 policy; one
+    ``forward_backward_batch`` (verl's ``sft_loss``) of the same three samples on every rank of the SP group
+    (an SP shard boundary inside a sample), against the unsharded reference under the engine's own bf16 autocast
+    (verl 0.7.x's ``forward_step`` autocasts whatever the policy: bf16 tolerance).  The engine loads the model
+    eager; its decoder is switched to verl's flash path after ``initialize``, as ``train_sp`` does."""
+    import torch
+    from verl.utils import tensordict_utils as tu
+
+    from fsdp2_compat_harness.engines import common, cpu, verl_engine
+    from fsdp2_compat_harness.scenarios import first_line
+
+    cpu.use_verl_cpu_platform()  # before verl.workers.engine is imported
+    common.activate(patches)
+    cpu.register_verl_engine_for_cpu()
+    install_standins(family)
+    from verl.trainer.config import CheckpointConfig
+    from verl.utils.experimental import torch_functional
+    from verl.utils.model import get_hf_auto_model_class
+    from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
+    from verl.workers.engine import EngineRegistry
+    from verl.workers.utils.losses import sft_loss
+
+    model_config = HFModelConfig(path=model_dir, use_remove_padding=True, use_fused_kernels=True,
+                                 fused_kernel_options={"impl_backend": "torch"}, enable_gradient_checkpointing=False,
+                                 override_config={"attn_implementation": "eager"})
+    engine_config = FSDPEngineConfig(
+        strategy="fsdp2", forward_only=False, use_dynamic_bsz=False, micro_batch_size_per_gpu=3,
+        use_remove_padding=True, use_fused_kernels=True, use_torch_compile=False, ulysses_sequence_parallel_size=world,
+        mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"})
+    engine = EngineRegistry.new("language_model", "fsdp2", model_config=model_config, engine_config=engine_config,
+                                optimizer_config=FSDPOptimizerConfig(optimizer="SGD", lr=0.05, weight_decay=0.0,
+                                                                     clip_grad=1e6, total_training_steps=10),
+                                checkpoint_config=CheckpointConfig())
+    result = {"error": None, "labels_wrong": [], "local_len": 0, "autocast": "bfloat16"}
+    try:
+        engine.initialize()
+    except Exception as exc:
+        result["error"] = "initialize: %s: %s" % (type(exc).__name__, first_line(exc))
+        return result
+    module = engine.module
+    text = module.config.text_config if hasattr(module.config, "text_config") else module.config
+    text._attn_implementation = "flash_attention_2"
+    result["forward"] = type(module).forward.__module__
+    reference = get_hf_auto_model_class(model_config.hf_config).from_pretrained(
+        model_config.local_path, config=copy.deepcopy(model_config.hf_config), torch_dtype=torch.float32)
+    reference.train()
+    samples = verl_engine.make_samples(family, reference, seed=1000)[:3]
+    total, _ = verl_engine.reference_loss(reference, samples, True, torch.bfloat16)  # before: no SP group here
+    total.backward()
+    data = verl_engine.to_tensordict(samples, True, model_config.tokenizer.pad_token_id)
+    tu.assign_non_tensor(data, use_remove_padding=True, micro_batch_size_per_gpu=len(samples))  # one micro-batch
+    used, original = [], torch_functional.FusedLinearForPPO.forward
+
+    def spy(self, hidden_states, vocab_weights, input_ids, temperature=1.0):
+        used.append(input_ids.detach().reshape(-1)[: hidden_states.reshape(-1, hidden_states.size(-1)).size(0)])
+        return original(self, hidden_states, vocab_weights, input_ids, temperature)
+
+    torch_functional.FusedLinearForPPO.forward = spy
+    try:
+        with engine.train_mode(disable_auto_offload=True, zero_grad_on_exit=False):
+            engine.optimizer_zero_grad()
+            try:
+                engine.forward_backward_batch(data, functools.partial(sft_loss, config=None), forward_only=False)
+            except Exception as exc:
+                result["error"] = "step 0: %s: %s" % (type(exc).__name__, first_line(exc))
+                return result
+            ids = torch.cat([s["input_ids"] for s in samples]).view(1, -1)
+            result["labels_wrong"] = [_wrong({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, used[-1],
+                                             rank, world)]
+            result["local_len"] = used[-1].numel()
+            common.compare(module, reference, result, "step0")  # inside: verl 0.7 zeroes gradients on exit
+    finally:
+        torch_functional.FusedLinearForPPO.forward = original
+    from fsdp2_compat.core import engine as compat
+
+    result["sp_caller"] = sorted({row.outcome.kind for row in compat.outcomes(compat.requested())
+                                  if row.outcome.target.key.endswith(".forward_step")})
+    return result
