@@ -47,7 +47,7 @@ def run_case(family, patch):
     worst = dict(max(results, key=lambda r: (sum(r["labels_wrong"]), r["grad_err"])))
     wrong = sum(worst["labels_wrong"])
     if wrong or worst["grad_err"] >= 1e-5:
-        worst["error"] = "runs, but an SP rank's fused kernel took %d of %d labels wrong; lm_head gradient off by %.2g" % (
+        worst["error"] = "runs, wrong labels on an SP rank (%d of %d); lm_head gradient off by %.2g" % (
             wrong, worst["local_len"], worst["lm_head_grad_err"])
     return worst
 
