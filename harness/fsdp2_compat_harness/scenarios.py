@@ -409,11 +409,13 @@ def train_fused(rank, world, family, patches, steps=2, mesh_shape=None, bf16=Fal
     def compare(out, ref_out):
         result["logprob_err"] = max(result["logprob_err"], rel_err(out.log_probs, ref_out.log_probs))
 
-    from fsdp2_compat.fixes import mixed_media
+    from fsdp2_compat.fixes import mixed_media, unit_walk
 
     dummies = mixed_media.STATS["dummy_forwards"]  # only the sharded model runs them (its tower is sharded)
+    walks = unit_walk.STATS["walks"]  # ... of which walks of the recorded units: no tower call
     try:
         return train_against_reference(model, reference, rank, world, result, batches_for, loss_of, steps, lr, compare)
     finally:
         result["dummy_forwards"] = mixed_media.STATS["dummy_forwards"] - dummies
+        result["walks"] = unit_walk.STATS["walks"] - walks
         torch_functional.FusedLinearForPPO.forward = original_forward
