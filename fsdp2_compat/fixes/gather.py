@@ -272,7 +272,7 @@ def _global_labels(model, signature, instance, args, kwargs):
     sp = ulysses.get_ulysses_sequence_parallel_world_size()
     labels = signature.argument("labels", instance, args, kwargs)
     source = labels if labels is not None else signature.argument("input_ids", instance, args, kwargs)
-    if sp <= 1 or source is None:
+    if sp <= 1 or source is None or source.size(0) != 1:  # SP runs on verl's packed (1, tokens) layout only
         return args, kwargs
     if hasattr(model.config, "vision_config"):  # the callers' own test: a VLM is handed the full sequence
         local = ulysses.slice_input_tensor(torch.roll(source, -1, -1), dim=-1, padding=False)
