@@ -55,14 +55,15 @@ GLM4V_FORWARD = Fix(
 
 VERL_LM_HEAD = Fix(
     name="verl-lm-head",
-    what="verl's fused forwards read lm_head.weight: unshard its unit first (averaged gradient)",
-    seams={"reader": _F + "gather:lm_head_reader_seam"},
-    references=("verl issue #4756", "verl PR #6659"),
+    what="verl's fused forwards read lm_head.weight: unshard its unit first (averaged gradient); under Ulysses SP "
+         "(0.6.0-0.7.1) they also get the labels rolled over the whole sequence",
+    seams={"reader": _F + "gather:lm_head_reader_seam", "sp caller": _F + "gather:sp_caller_seam"},
+    references=("verl issue #4756", "verl PR #6659", "verl PR #6268"),
     delete_when="when verl's fused forwards gather lm_head.weight with a data-parallel-averaged gradient (not plain "
-                "full_tensor()) in every release you run",
-    scenarios=("fused forward", "fused, 2 ranks", "verl engine"),
+                "full_tensor()) and take SP-sliced shift_labels (0.8.0+) in every release you run",
+    scenarios=("fused forward", "fused, 2 ranks", "verl engine", "fused, Ulysses SP 2"),
     tests=("tests/integrations/test_fused_forwards.py", "tests/integrations/test_lm_head_release.py",
-           "tests/integrations/test_verl_engine.py"),
+           "tests/integrations/test_verl_engine.py", "tests/integrations/test_sp_labels.py"),
 )
 
 TRL_HEAD_READS = Fix(

@@ -1,65 +1,44 @@
 """MoE experts that one rank's tokens never reach: every rank reduce-scatters every expert.
 
-The bug (the fourth FSDP2 bug class; pytorch issue #171355, SkyRL issue #1297 /
-PR #1370): transformers 4.x keeps a MoE layer's routed experts as an
-``nn.ModuleList`` and runs only the experts some token of this micro-batch
-reaches (``Qwen3MoeSparseMoeBlock.forward``: ``for expert_idx in expert_hit``;
-``Glm4vMoeTextMoE.moe``: ``if token_indices.numel() > 0``).  An expert no token
-on this rank reached has no gradient here.  FSDP2's
-``FSDPParamGroup.post_backward`` reduce-scatters only the parameters that have
-a gradient, so two ranks whose tokens reached different experts issue
-reduce-scatters of different sizes inside the same unit (the decoder layer):
-gloo aborts ("Received data size doesn't match expected size"), NCCL hangs or,
-worse, completes with gradients summed across the wrong parameters.
-transformers 5.x stores the experts as 3-D parameters (``Qwen3MoeExperts``):
-every rank has a gradient for all of them, by code, so nothing is wrong there.
+The bug (pytorch issue #171355, SkyRL issue #1297 / PR #1370): transformers 4.x keeps a MoE layer's routed
+experts as an ``nn.ModuleList`` and runs only the experts some token of this micro-batch reaches
+(``Qwen3MoeSparseMoeBlock.forward``: ``for expert_idx in expert_hit``; ``Glm4vMoeTextMoE.moe``: ``if
+token_indices.numel() > 0``), so an unreached expert has no gradient here.  FSDP2's
+``FSDPParamGroup.post_backward`` reduce-scatters only the parameters that have a gradient, so two ranks whose
+tokens reached different experts issue reduce-scatters of different sizes inside the same unit: gloo aborts
+("Received data size doesn't match expected size"), NCCL hangs or completes with gradients summed across the
+wrong parameters.  transformers 5.x stores 3-D experts: every rank has every gradient, nothing is wrong there.
 
-The fix, at FSDP2's unit (one fix for every trainer: whoever called
-``fully_shard``): the FSDP2 units that hold a skipping MoE block's experts
-reduce-scatter every parameter that took part in their all-gather, with an
-exact zero for one that has no gradient on this rank.  That is torch's own
-``FSDPModule.set_reduce_scatter_unused_params(True)`` (torch 2.13+), set on
-exactly those units (``FSDPParamGroup.reduce_scatter_unused_params``); on a
-torch without it (2.6-2.12) the group's ``post_backward`` gives each such
-parameter the zero gradient torch 2.13 would reduce, then runs unchanged.
-The reduced gradient is then the data-parallel average of the real
-micro-batches: an expert reached on one rank out of two gets half that rank's
-gradient, as in the unsharded reference.  What it costs: the reduce-scatter
-of a unit is as large as on a micro-batch where every expert is hit (the
-ordinary case of a real checkpoint's batch), plus one zero tensor per
-unreached expert parameter (``benchmarks/moe_experts.py`` prints both).
+The fix, at FSDP2's unit (one fix for every trainer): the units that hold a skipping MoE block's experts
+reduce-scatter every parameter of their all-gather, an exact zero for one without a gradient on this rank:
+torch's own ``FSDPModule.set_reduce_scatter_unused_params(True)`` (2.13+) set on exactly those units; on
+2.6-2.12 the group's ``post_backward`` first gives each such parameter the zero torch 2.13 would reduce.  The
+reduced gradient is the data-parallel average of the real micro-batches, as in the unsharded reference.  Cost:
+a unit's reduce-scatter is as large as when every expert is hit, plus one zero tensor per unreached expert
+parameter (``benchmarks/moe_experts.py``).  It holds with gradient checkpointing on, reentrant or not
+(``tests/integrations/test_moe_checkpointing.py``); torch 2.6-2.12's recompute without FSDP2's input cast is
+another bug (``integrations.torch_fsdp.RECOMPUTE_CAST``).
 
-Why not the model: a zero contribution of every expert's parameters to the
-block's output would also work (and on DDP), but it adds a gradient to
-accumulate for every expert on every micro-batch; the unit's flag adds work
-only for the experts not reached, and touches no tensor of the forward.
+Why not the model: a zero contribution of every expert to the block's output would also work (and on DDP),
+but adds a gradient to accumulate for every expert on every micro-batch; the flag adds work only for the
+experts not reached, and touches no tensor of the forward.
 
-Where the units are found: the targets
-(``fsdp2_compat.integrations.transformers_moe``) wrap the method that holds
-the skipping loop.  Before it runs, the wrapper finds the FSDP2 units that
-manage the block's expert parameters (once per block; a block found in no
-unit is looked for again on its next call, since a model may run a forward
-before it is sharded) and sets the flag on them.  Every rank runs every MoE
-block's forward (the block is not skipped, only experts inside it), so every
-rank marks the same units, before their first backward.
+Where the units are found: the targets (``integrations.transformers_moe``) wrap the method that holds the
+skipping loop; before it runs, the wrapper finds the units that manage the block's expert parameters (once per
+block; a block found in no unit is looked for again on its next call, since a model may run a forward before
+it is sharded) and sets the flag.  Every rank runs every MoE block's forward, so every rank marks the same
+units, before their first backward.
 
-Side effect, by design (torch's flag does the same, and transformers 5.x's
-3-D experts always have): an expert that no token on *any* rank reached gets
-an exactly-zero gradient instead of none, so an optimizer with momentum or
-weight decay (AdamW) steps it as on a step where it was reached.
+Side effect, by design (as torch's flag and 5.x's 3-D experts): an expert no token on *any* rank reached gets
+an exactly-zero gradient instead of none, so AdamW steps it as on a step where it was reached.
+Not covered, said once per block class in a warning: experts sharded as units of their own (an unreached
+expert's unit skips its all-gather on this rank, a forward collective no flag can align).
 
-Not covered, said once per block class in a warning: experts sharded as units
-of their own (an unreached expert's unit then skips its all-gather on this
-rank, a forward collective no flag can align).
-
-Fails safe: the targets are fingerprinted per transformers release (the code
-that skips unreached experts); a block whose experts FSDP2 does not manage
-(not an FSDP2 run) is left alone.  Revert restores transformers' methods;
-units already marked keep the flag, as a model wrapped while a patch was on
-keeps its wrapping.
-
-Delete when: every transformers you train MoE models with stores experts as
-3-D parameters (5.0+), or torch FSDP2 reduces unused parameters by default.
+Fails safe: the targets are fingerprinted per transformers release; a block whose experts FSDP2 does not
+manage is left alone.  Revert restores transformers' methods; units already marked keep the flag, as a model
+wrapped while a patch was on keeps its wrapping.
+Delete when: every transformers you train MoE models with stores experts as 3-D parameters (5.0+), or torch
+FSDP2 reduces unused parameters by default.
 """
 
 import weakref

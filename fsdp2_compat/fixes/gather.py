@@ -1,71 +1,40 @@
 """Read an FSDP2-sharded parameter outside its own module's forward, correctly.
 
-verl's fused-kernel forwards hand ``self.lm_head.weight`` straight to a
-kernel instead of calling ``self.lm_head(...)``.  When ``lm_head`` is its own
-FSDP2 unit (verl >= 0.7.1, untied), that weight is a sharded ``DTensor`` at
-that point.  Reading it raw crashes (mixed Tensor/DTensor); the tempting fix,
-``weight.full_tensor()``, runs but its backward only *slices* the gradient,
-so each rank keeps its own micro-batch gradient and the data-parallel
+verl's fused-kernel forwards hand ``self.lm_head.weight`` straight to a kernel instead of calling
+``self.lm_head(...)``.  When ``lm_head`` is its own FSDP2 unit (verl >= 0.7.1, untied), that weight is a
+sharded ``DTensor`` there: read raw it crashes (mixed Tensor/DTensor); ``weight.full_tensor()`` runs, but its
+backward only *slices* the gradient, so each rank keeps its own micro-batch gradient and the data-parallel
 average never happens (verl 0.9.x Qwen3-VL, verl issue #4756 / PR #6659).
 
-Mechanism chosen: unshard the owning FSDP unit (``owner.unshard()``), i.e. do
-exactly what FSDP2 does in that unit's own forward pre-hook, then read the
-attribute.  Why this rather than ``full_tensor(grad_placements=Partial("avg"))``:
-- the value is FSDP's own unsharded parameter, so it already has the
-  mixed-precision ``param_dtype`` and lives on the compute device, and the
-  all-gather moves ``param_dtype`` bytes (half of an fp32 ``full_tensor``);
-- the gradient lands on FSDP's unsharded parameter and is reduced by the
-  unit's own ``FSDPParamGroup.post_backward`` with the unit's own settings:
-  average over every data-parallel mesh dimension (FSDP and HSDP alike),
-  ``reduce_dtype``, gradient-accumulation and ``set_requires_gradient_sync``
-  flags, CPU offload: the same reduction FSDP performs when the weight is
-  used through ``owner(...)``;
-- nothing of upstream's math is re-implemented.
+Mechanism: unshard the owning FSDP unit (``owner.unshard()``, what its own forward pre-hook does), then read
+the attribute.  The value is FSDP's unsharded parameter (``param_dtype``, compute device; the all-gather moves
+``param_dtype`` bytes), and its gradient is reduced by the unit's own ``FSDPParamGroup.post_backward`` with the
+unit's settings (average over every data-parallel mesh dimension, ``reduce_dtype``, deferred sync, offload):
+nothing of upstream's math is re-implemented.  With autograd on, the unit is released as soon as the weight's
+gradient is complete (a post-accumulate-grad hook on the unsharded parameter calls the group's
+``post_backward()`` when every trainable parameter of an otherwise idle unit was read this way: ``lm_head``),
+before the decoder layers' backward; FSDP's root post-backward callback stays the fallback (a unit that also
+holds parameters used by module forwards, a read autograd never uses).  Under ``no_grad`` ``gathered``
+reshards on exit.  Not supported: ``retain_graph=True`` backward through a released unit; mixing ``owner(x)``
+and a raw read of the same unit in one graph (unsafe in FSDP itself).  docs/how-it-works.md has the details.
 
-When that post-backward runs (the unit is released): as soon as the weight's
-gradient is complete, as FSDP does for ``owner(x)``.  There FSDP's
-``RegisterPostBackwardFunction`` calls ``post_backward`` once the module's
-backward is done; a raw read has no module inputs to hook, only the weight,
-and the exact analogue is ``AccumulateGrad`` of FSDP's unsharded parameter
-(``FSDPParam._unsharded_param``): it runs once per backward, after the
-gradients of every use of the weight in the graph are summed (a chunked head
-reading it N times included).  So a grad-enabled read marks the parameter
-pending for its group, and a ``register_post_accumulate_grad_hook`` on the
-unsharded parameter (registered once per ``FSDPParam``) clears the mark; when
-the group has no pending parameter left, and every trainable parameter of the
-group was read that way (a unit of its own: ``lm_head``) and its own forward
-did not run (the group is idle), the hook calls the group's
-``post_backward()``: reduce-scatter (HSDP all-reduce), reshard, or with sync
-deferred the reduce-dtype accumulation, all FSDP's code.  The unit is then
-released before the decoder layers' backward instead of after the whole
-backward: its unsharded weight and gradient are not held through it.  FSDP's
-root post-backward callback finds the group done and only resets it (and is
-still the fallback, as before this change, when the hook does not fire or
-does not release: a read autograd never uses, a frozen weight, a unit that
-also holds parameters used by module forwards, such as accelerate's tail unit
-with the final norm and ``lm_head``).  When autograd is off (rollout
-log-probs under ``no_grad``) nothing is marked and ``gathered`` reshards on
-exit.  Not supported, as before: a second backward through the same graph
-(``retain_graph=True``) after the unit was released; mixing ``owner(x)`` and
-a raw read of the same unit in one graph (unsafe in FSDP itself).
+Refused, with ``GatherError``: a sharded parameter whose module is not an FSDP2 unit, one that unit does not
+manage, one still a DTensor after unsharding (FSDP + TP).  The forward wrappers also warn, once per model
+class, when verl's text-only ``dense_common`` forward drops images or audio (GLM-4.5V / 4.6V; upstream's).
 
-Refused, with ``GatherError``: a sharded parameter whose module is not an
-FSDP2 unit, one that unit does not manage, and one that is still a DTensor
-after unsharding (FSDP + tensor parallel: its full value is not ours to build).
+Ulysses SP labels (verl 0.6.0-0.7.1; 0.8.0 passes ``shift_labels``, PR #6268): the forwards without that
+parameter roll ``labels or input_ids`` as their callers pass them, a VLM's full padded sequence (hidden states
+sliced after the embedding: every SP rank uses SP rank 0's labels) or a text shard (its last label wrong),
+silently.  Inside the callers ``sp_caller_seam`` wraps (fingerprinted: they pad and slice as
+``_global_labels`` assumes) the forward gets ``labels`` whose own roll is this rank's slice of the global roll.
 
-The forward wrappers also warn, once per model class, when verl's text-only
-``dense_common`` forward is handed images or audio (GLM-4.5V / 4.6V with fused
-kernels): that forward drops them, an upstream limitation left unchanged.
-
-Upstream: verl issue #4756, PR #6659.
-Fails safe: the forward wrappers are installed only on fingerprinted releases
-of verl's fused forwards; where ``lm_head`` is not sharded (its weight is a
-plain tensor: no FSDP, or ``lm_head`` in the root unit) they change nothing.
-Delete when: verl's fused forwards read ``lm_head.weight`` through FSDP (or
-with an averaged gradient) in every release you run.
+Fails safe: the wrappers are installed only on fingerprinted releases; where ``lm_head`` is not sharded they
+change nothing.  Delete when: verl's fused forwards read ``lm_head.weight`` through FSDP (or with an averaged
+gradient) and take SP-sliced labels in every release you run.
 """
 
 import contextlib
+import threading
 import weakref
 
 # group -> ids of its FSDPParams read with autograd on whose gradient is not complete yet
@@ -264,13 +233,15 @@ def _warn_dropped_media(model, kwargs):
 
 
 def wrap_lm_head_reader(original):
-    """Wrap a forward ``f(self, ...)`` that reads ``self.lm_head.weight`` directly."""
+    """Wrap a forward ``f(self, ...)`` that reads ``self.lm_head.weight`` directly (and, without a
+    ``shift_labels`` parameter, rolls its labels itself: ``_global_labels`` inside an SP caller)."""
     import wrapt
 
     from ..core import calls
 
     drops_media = getattr(original, "__module__", "").endswith(".dense_common")
     signature = calls.Signature(original)
+    rolls_locally = "shift_labels" not in signature._known and "labels" in signature._known
 
     def forward(wrapped, instance, args, kwargs):
         model = signature.receiver(instance, args, kwargs)
@@ -280,10 +251,56 @@ def wrap_lm_head_reader(original):
         if lm_head is None:
             calls.missing(signature.where, "a model with an lm_head (got %s)" % type(model).__name__)
             return wrapped(*args, **kwargs)
+        if rolls_locally and getattr(_SP_CALLER, "depth", 0):
+            args, kwargs = _global_labels(model, signature, instance, args, kwargs)
         with gathered(lm_head):
             return wrapped(*args, **kwargs)
 
     return wrapt.FunctionWrapper(original, forward)
+
+
+_SP_CALLER = threading.local()
+
+
+def _global_labels(model, signature, instance, args, kwargs):
+    """``(args, kwargs)`` with ``labels`` whose roll by -1 is this SP rank's slice of the global roll: a VLM's
+    full sequence rolled and sliced (verl's ``slice_input_tensor``); a text shard's last label the next rank's
+    first token (one all-gather of one token per row: every SP rank runs this forward, as the callers do)."""
+    import torch
+    from verl.utils import ulysses
+
+    sp = ulysses.get_ulysses_sequence_parallel_world_size()
+    labels = signature.argument("labels", instance, args, kwargs)
+    source = labels if labels is not None else signature.argument("input_ids", instance, args, kwargs)
+    if sp <= 1 or source is None or source.size(0) != 1:  # SP runs on verl's packed (1, tokens) layout only
+        return args, kwargs
+    if hasattr(model.config, "vision_config"):  # the callers' own test: a VLM is handed the full sequence
+        local = ulysses.slice_input_tensor(torch.roll(source, -1, -1), dim=-1, padding=False)
+    else:
+        firsts = [torch.empty_like(source[..., :1]) for _ in range(sp)]
+        group = ulysses.get_ulysses_sequence_parallel_group()
+        torch.distributed.all_gather(firsts, source[..., :1].contiguous(), group=group)
+        local = torch.cat([source[..., 1:], firsts[(ulysses.get_ulysses_sequence_parallel_rank() + 1) % sp]], -1)
+    index = signature._index.get("labels", -1) - (instance is not None)
+    if 0 <= index < len(args):
+        return args[:index] + (torch.roll(local, 1, -1),) + args[index + 1:], kwargs
+    return args, dict(kwargs, labels=torch.roll(local, 1, -1))
+
+
+def sp_caller_seam(module, attr):
+    """Seam for verl 0.6.0-0.7.1's Ulysses callers of the fused forwards: marks the call (see the docstring)."""
+    import wrapt
+
+    from ..core import calls
+
+    def call(wrapped, instance, args, kwargs):
+        _SP_CALLER.depth = getattr(_SP_CALLER, "depth", 0) + 1
+        try:
+            return wrapped(*args, **kwargs)
+        finally:
+            _SP_CALLER.depth -= 1
+
+    return {attr: wrapt.FunctionWrapper(calls.lookup(module, attr), call)}
 
 
 def lm_head_reader_seam(module, attr):

@@ -1,62 +1,35 @@
 """The FSDP2 tail unit (accelerate's, transformers' native): the output head shares a unit with the module whose
 forward unshards it.
 
-accelerate's ``fsdp2_prepare_model`` (1.14.0+) carves the model's end into
-one unit, ``fully_shard([final_norm, head...], reshard_after_forward=False)``:
-the norm's forward pre-hook all-gathers the unit just before the head is
-used, and because the unit is not resharded after forward, ``lm_head.weight``
-stays a full tensor for the rest of the forward.  Any code that reads the
-weight directly inside the model's forward (Liger-Kernel's fused linear
-cross-entropy, ``use_liger_kernel=True`` in the HF Trainer and axolotl; TRL's
-fused LM head; custom losses) then reads FSDP's unsharded parameter, and
-FSDP's own post-backward averages its gradient.  Two releases get the unit
-wrong:
+accelerate's ``fsdp2_prepare_model`` (1.14.0+) shards the model's end as one unit, ``fully_shard([final_norm,
+head...], reshard_after_forward=False)``: the norm's pre-hook all-gathers it just before the head is used and it stays
+full for the rest of the forward, so code that reads ``lm_head.weight`` inside the forward (Liger-Kernel's fused
+linear cross-entropy, TRL's fused head, custom losses) reads FSDP's unsharded parameter and FSDP averages its
+gradient. Three seams fix the releases that get the unit wrong:
 
-1. ``prepare_model_seam`` (1.14.0 only, accelerate PR #4015): for *tied*
-   weights the unit is ``[final_norm, input_embed]`` and the head is left in
-   the root unit, so one parameter belongs to two FSDP groups.  torch 2.13
-   refuses it at the first forward (``ValueError: Parameter
-   'model.embed_tokens.weight' is shared with a parameter already managed by
-   another FSDP group``); older torches silently untie the two.  The seam
-   wraps ``fsdp2_prepare_model`` and, during that call only, the
-   ``fully_shard`` it imports from ``torch.distributed.fsdp``: the one call
-   whose module list holds the tied input embedding and not the head gets the
-   head appended, which is exactly 1.15.0's unit (PR #4171: ``[final_norm,
-   input_embed, output_embed]``).  Every other ``fully_shard`` call, and every
-   call outside a tied preparation (other threads included: the plan is a
-   context variable), goes to torch unchanged with upstream's arguments.
-2. ``final_norm_seam`` (1.14.0-1.15.0): ``_find_final_norm`` scans only the
-   base model's direct children.  A vision-language model's base
-   (``visual``, ``language_model``) has no norm there, so the unit is
-   ``[lm_head]`` alone, its forward never runs when the head is read
-   directly, and the reader gets a sharded ``DTensor``: ``aten.mm.default
-   got mixed torch.Tensor and DTensor``, or with ``full_tensor()`` a gradient
-   that is each rank's own (never averaged).  The seam runs upstream's
-   function and, only when it found nothing, returns the last norm among the
-   direct children of the decoder (``model.get_decoder()``, else a
-   ``language_model`` attribute): the rule accelerate applies to text
-   models, applied to the text model inside the VLM.  The decoder's norm runs
-   right before the head, as the base model's norm does in a text model.
-3. ``native_apply_seam`` (transformers 5.15.0+ native FSDP2): its
-   ``apply_fully_sharded_data_parallelism`` pairs a kept head with the final
-   norm only when that is called ``norm``; Phi (``final_layernorm``), dbrx,
-   jamba, lfm2 keep the head alone: the crash / unaveraged gradient of 2.
-   During that call its module-global ``fully_shard`` is wrapped (1's rule)
-   and the call for the head alone with ``reshard_after_forward=False``
-   shards ``[decoder_norm(model), head]``.  A head a user plan frees, or a
-   tied head, is left as transformers shards it.
+1. ``prepare_model_seam`` (accelerate 1.14.0 only, PR #4015): tied weights give ``[final_norm, input_embed]`` and
+   leave the head in the root unit, one parameter in two groups (torch 2.13: ``ValueError: Parameter
+   'model.embed_tokens.weight' is shared with a parameter already managed by another FSDP group``; older torches
+   untie silently). During that call only (a context variable: other threads untouched), the ``fully_shard`` it
+   imports gets the head appended to the one call holding the tied input embedding: 1.15.0's unit (PR #4171).
+2. ``final_norm_seam`` (1.14.0-1.15.0): ``_find_final_norm`` scans only the base model's direct children; a VLM's
+   base (``visual``, ``language_model``) has no norm there, the unit is ``[lm_head]`` alone, its forward never runs
+   when the head is read directly: ``aten.mm.default got mixed torch.Tensor and DTensor``, or with ``full_tensor()``
+   each rank's own gradient. When upstream finds nothing, the seam returns the last norm among the decoder's direct
+   children (``get_decoder()``, else ``language_model``): accelerate's text-model rule, applied inside the VLM.
+3. ``native_apply_seam`` (transformers 5.15.0+ native FSDP2): ``apply_fully_sharded_data_parallelism`` pairs a kept
+   head with the final norm only when that is called ``norm``; Phi (``final_layernorm``), dbrx, jamba, lfm2 keep
+   the head alone (2's bug). Its module-global ``fully_shard`` is wrapped during that call and the lone-head call
+   with ``reshard_after_forward=False`` shards ``[decoder_norm(model), head]``. A head a user plan frees, or a tied
+   head, is left as transformers shards it.
 
-Fails safe: a norm that already lives in another unit (an ancestor was
-sharded, or it was itself) is not offered; a model without a decoder, or a
-decoder without a norm, keeps upstream's answer; where the weights are untied
-the prepare seam calls upstream's function untouched.  Every seam is
-installed only on fingerprinted code (``integrations.accelerate``, ``integrations.transformers_fsdp``).
+Fails safe: a norm already in another unit is not offered; no decoder or no norm keeps upstream's answer; untied
+weights call upstream's prepare untouched; every seam is installed only on fingerprinted code
+(``integrations.accelerate``, ``integrations.transformers_fsdp``).
 
-Upstream: accelerate PR #4015 (the tail unit), PR #4171 (tied fix, 1.15.0);
-the VLM norm has no accelerate issue yet; transformers' native FSDP2 tail:
-no upstream issue yet.  Delete when every accelerate you run is >= 1.15.0 and
-finds a VLM decoder's final norm, and transformers pairs any final norm with
-a kept head.
+Upstream: accelerate PR #4015 (the tail unit), PR #4171 (tied fix, 1.15.0); no upstream issue yet for the VLM norm
+nor transformers' lone head. Delete when every accelerate you run is >= 1.15.0 and finds a VLM decoder's final norm,
+and transformers pairs any final norm with a kept head.
 """
 
 import contextlib

@@ -1,58 +1,43 @@
-"""torch: FSDP2 gradient accumulation when micro-batches use different parts of the model.
+"""torch: FSDP2 gradient accumulation when micro-batches use different parts of the model; the recompute cast.
 
-Two seams in ``torch.distributed.fsdp._fully_shard`` (torch 2.7.0-2.14.1), the
-fix code in ``fsdp2_compat.fixes.accumulation``:
+Two seams in ``torch.distributed.fsdp._fully_shard`` (torch 2.7.0-2.14.1), code in ``fixes.accumulation``:
 
-1. ``FSDPParam.to_accumulated_grad_if_needed`` reads ``self._unsharded_param``
-   unguarded.  That attribute exists only after the parameter's first
-   all-gather (``init_unsharded_param``; nothing deletes it).  With gradient
-   sync deferred (``set_requires_gradient_sync(False)``) and a
-   ``reduce_dtype`` different from ``param_dtype`` (bf16 / fp32: verl's and
-   SkyRL's default policy), FSDP's root post-backward callback runs every
-   group's ``post_backward``, the deferred branch calls this method for every
-   parameter, and a unit that never ran yet (the vision tower during a
-   text-only first micro-batch; an ``lm_head`` read with ``full_tensor()``)
-   raises ``AttributeError: 'FSDPParam' object has no attribute
-   '_unsharded_param'``.  The seam returns early for such a parameter (no
-   ``_unsharded_param``: no gradient can exist to upcast), the test torch's own
-   synchronising branch of ``post_backward`` already makes; every other call is
-   torch's method unchanged.
-2. Behind it, ``FSDPParamGroup.post_backward``: a unit whose parameters were
-   used only partly in a deferred micro-batch (a VLM's root unit holds the
-   vision ``patch_embed`` / ``merger`` next to the text model's norm) reaches
-   the synchronising post-backward with fp32 accumulated gradients for some
-   parameters and fresh bf16 gradients for the others, and ``foreach_reduce``
-   refuses the list: ``AssertionError: FSDP reduce-scatter expects uniform
-   gradient dtype but got {torch.bfloat16, torch.float32}``.  The seam first
-   brings the fresh-only gradients to the accumulated dtype with torch's own
-   ``to_accumulated_grad_if_needed``; ``foreach_reduce`` copies every gradient
-   into a ``reduce_dtype`` buffer anyway, so the reduce-scatter input is the
-   same values.  Nothing happens with sync deferred, or when no parameter of
-   the group has an accumulated gradient (every ordinary step).
+1. ``FSDPParam.to_accumulated_grad_if_needed`` reads ``self._unsharded_param`` unguarded; it exists only after
+   the parameter's first all-gather.  With sync deferred (``set_requires_gradient_sync(False)``) and
+   ``reduce_dtype != param_dtype`` (verl's and SkyRL's bf16 / fp32 default), the root post-backward callback
+   runs every group's ``post_backward``, whose deferred branch calls it for every parameter, and a unit that
+   never ran (a vision tower during a text-only first micro-batch; an ``lm_head`` read with ``full_tensor()``)
+   raises ``AttributeError: 'FSDPParam' object has no attribute '_unsharded_param'``.  The seam returns early
+   for such a parameter (no gradient can exist to upcast), as torch's synchronising branch already does.
+2. Behind it, ``FSDPParamGroup.post_backward``: a unit used only partly in a deferred micro-batch (a VLM's root
+   holds the vision ``patch_embed`` / ``merger`` next to the text norm) reaches the synchronising
+   post-backward with fp32 accumulated gradients for some parameters and fresh bf16 ones for others:
+   ``AssertionError: FSDP reduce-scatter expects uniform gradient dtype but got {torch.bfloat16,
+   torch.float32}``.  The seam first brings the fresh-only gradients to the accumulated dtype with torch's own
+   ``to_accumulated_grad_if_needed``; ``foreach_reduce`` copies every gradient into a ``reduce_dtype`` buffer
+   anyway, so the reduce-scatter input is the same values.  Nothing happens with sync deferred, or when no
+   parameter of the group has an accumulated gradient (every ordinary step).
 
-Releases (read from every published wheel; see ``declared``): the method of
-(1) is the same code from 2.4.0 to 2.14.1 (in this module from 2.6.0), but
-before 2.7.0 the root callback post-backwards only groups that are unsharded
-(or set not to unshard in backward), so a never-gathered unit is not reached
-in practice; (2) is reachable from 2.6.0 on (the root unit is always
-gathered).  torch 2.15.0 removed (1) and rewrote (2) around
-``Parameter.grad_dtype``, with ``getattr(fsdp_param, "_unsharded_param", None)``
-guards: nothing to patch there.
+Releases (every published wheel read; see ``declared``): (1) is the same code 2.4.0-2.14.1 (in this module
+from 2.6.0), but before 2.7.0 the root callback post-backwards only unsharded groups, so a never-gathered unit
+is not reached in practice; (2) is reachable from 2.6.0.  torch 2.15.0 removed (1) and rewrote (2) around
+``Parameter.grad_dtype`` with ``getattr(fsdp_param, "_unsharded_param", None)`` guards: nothing to patch.
 
-Upstream: pytorch PR #194058 (the guard of (1), closed unmerged), pytorch
-issue #196996 (the mixed-dtype assertion of (2)), verl PR #7475 (an open
-shim of (1) in verl), verl issue #7520 (fused kernels, untied ``lm_head``,
-deferred sync: there the guard alone turns the crash into a silently
-un-averaged ``lm_head`` gradient; the ``lm_head`` gather patches of
-``fsdp2_compat.fixes.gather`` fix both).
-Fails safe: each seam is installed only where the installed method's
-fingerprint is a recorded one (a wrapt proxy of someone else is unknown code
-and refused); revert restores torch's methods.
+``RECOMPUTE_CAST`` (no seam, issue #42): torch 2.6-2.12 skip FSDP2's mixed-precision cast in a checkpoint
+recompute (``_pre_forward`` returns early in ``PRE_BACKWARD``; pytorch #159359, fixed in 2.13.0 by PR
+#182580): declared "not covered" there, so a requested MoE patch says so; not needed from 2.13.0.
+
+Upstream: pytorch PR #194058 (the guard of (1), closed unmerged), pytorch issue #196996 (the assertion of
+(2)), verl PR #7475 (an open shim of (1)), verl issue #7520 (fused kernels, untied ``lm_head``, deferred sync:
+there the guard alone turns the crash into a silently un-averaged ``lm_head`` gradient; ``fixes.gather``'s
+patches fix both).
+Fails safe: each seam is installed only where the method's fingerprint is a recorded one (a wrapt proxy of
+someone else is unknown code and refused); revert restores torch's methods.
 Delete when: every torch you run is >= 2.15.0, or carries both fixes.
 """
 
 from ..core.records import Integration, Target
-from ..fixes import GRAD_ACCUMULATION as FIX
+from ..fixes import GRAD_ACCUMULATION as FIX, MOE_EXPERTS
 
 FULLY_SHARD = "torch.distributed.fsdp._fully_shard"
 
@@ -111,4 +96,19 @@ GRAD_ACCUM_UNIFORM = Target(
     declared={"<2.6.0": _NO_MODULE, ">=2.15.0": "post_backward " + _REWORKED},
 )
 
-TARGETS = GRAD_ACCUMULATION = (GRAD_ACCUM_GUARD, GRAD_ACCUM_UNIFORM)
+GRAD_ACCUMULATION = (GRAD_ACCUM_GUARD, GRAD_ACCUM_UNIFORM)
+
+# torch 2.6-2.12: a checkpointed unit (outside FSDP's hooks, non-reentrant) whose floating input is not
+# param_dtype recomputes in another dtype (measured on 2.12.0).  The fingerprints are the fixed code, never patched.
+RECOMPUTE_CAST = Target(
+    dist="torch", module=FULLY_SHARD + "._fsdp_state", attr="FSDPState._pre_forward", versions="==2.13.0",
+    fingerprints={"2.13.0": "a35db4978e460f44", "2.15.0": "aa43e151b41dd487"}, fix=MOE_EXPERTS,
+    what="FSDP2 checkpoint recompute skips the mixed-precision input cast", fixed_in=">=2.13.0",
+    declared={"<2.6.0": _NO_MODULE}, unsupported={">=2.6.0,<2.13.0": "the recompute skips FSDP2's input cast "
+              "(pytorch #159359, fixed in 2.13.0 by PR #182580); upgrade torch, use reentrant checkpointing, or "
+              "feed checkpointed units param_dtype inputs (no output_dtype=fp32 policy)"},
+    symptom="torch 2.6-2.12, non-reentrant gradient checkpointing with an input not in param_dtype (an "
+            "output_dtype=fp32 policy under autocast): `CheckpointError: torch.utils.checkpoint: Recomputed values "
+            "for the following tensors have different metadata than during the forward pass`")
+
+TARGETS = GRAD_ACCUMULATION + (RECOMPUTE_CAST,)

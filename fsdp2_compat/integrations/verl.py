@@ -199,6 +199,7 @@ def _fused(model_module, backend, versions, fingerprints):
         versions=versions,
         fingerprints=fingerprints,
         fix=VERL_LM_HEAD,
+        via="reader",
         families=_FAMILIES[model_module],
         what="fused forward reads lm_head.weight (%s backend)" % backend,
         diff="%s-lm-head" % model_module,
@@ -279,5 +280,33 @@ QWEN3_5_FUSED = (
     }),
 )
 
+# verl 0.6.0-0.7.1's Ulysses SP callers roll the labels over the whole sequence but never pass them: the fused
+# forwards above roll on what they get (``fixes.gather``'s docstring); 0.8.0 passes ``shift_labels`` (PR #6268).
+_SP_FAMILIES = tuple(dict.fromkeys(_FAMILIES["qwen2_vl"] + _FAMILIES["qwen3_vl"] + _FAMILIES["glm4v"]
+                                   + _FAMILIES["dense_common"]))
+_SP_FIXED = "the engine passes shift_labels (the SP-sliced global roll) and the fused forwards use it (PR #6268)"
+
+
+def _sp_caller(module, attr, fingerprints, declared, unsupported=None):
+    return Target(dist="verl", module=module, attr=attr, versions="==0.7.0", fingerprints=fingerprints,
+                  fix=VERL_LM_HEAD, via="sp caller", families=_SP_FAMILIES, unsupported=unsupported,
+                  what="fused forward under Ulysses SP: labels rolled on the SP shard", declared=declared,
+                  symptom="verl 0.6.0-0.7.1 fused kernels with Ulysses SP: log-probs against the wrong labels, "
+                  "silently (a VLM: every SP rank but the first uses SP rank 0's labels; text: the last label of "
+                  "every shard); the lm_head gradient off by ~0.1")
+
+
+SP_CALLERS = (
+    _sp_caller("verl.workers.actor.dp_actor", "DataParallelPPOActor._forward_micro_batch", {
+        "0.6.0": "8ac5a6004ffc1953", "0.6.1": "0385faa4d7828908", "0.7.0": "bfb366295fb0fcce",
+        "0.7.1": "90bb2b2b3d19a2e6",
+    }, {"<0.4.1": "no fused forwards before 0.4.1", ">=0.8.0.dev0": "no dp_actor: " + _SP_FIXED},
+        {">=0.4.1,<0.6.0": "the same forwards, but the caller decides 'VLM' by multi_modal_inputs in the micro-batch "
+                           "(verl #2639: a VLM's text-only micro-batch is sliced twice)"}),
+    _sp_caller("verl.workers.engine.fsdp.transformer_impl", "FSDPEngineWithLMHead.forward_step",
+               {"0.6.0-0.6.1": "202aac30425c9ab6", "0.7.0-0.7.1": "2825e510786f2b0f"},
+               {"<0.6.0": "no verl.workers.engine.fsdp.transformer_impl module", ">=0.8.0.dev0": _SP_FIXED}),
+)
+
 TARGETS = ((WRAP_SELECTION_INLINE, WRAP_SELECTION) + GLM4V_FORWARD + QWEN2_VL_FORWARD + QWEN3_VL_FORWARD + QWEN3_VL_FUSED
-           + GLM4V_FUSED + QWEN2_VL_FUSED + DENSE_FUSED + QWEN3_5_FUSED)
+           + GLM4V_FUSED + QWEN2_VL_FUSED + DENSE_FUSED + QWEN3_5_FUSED + SP_CALLERS)

@@ -84,8 +84,12 @@ def shard(framework, model, world, precision=None):
 
 
 def train_moe(rank, world, framework, family, patches, precision=None, accumulate=1, steps=2, lr=0.05,
-              stderr_dir=None):
+              stderr_dir=None, checkpointing=None):
     """One scenario on this rank; the result dict of ``scenarios.train_against_reference`` plus ``hits``.
+
+    ``checkpointing``: None, ``"reentrant"`` or ``"non-reentrant"``: transformers' own
+    ``gradient_checkpointing_enable`` before sharding (what verl, SkyRL, TRL and LLaMA-Factory call), the
+    reference too; ``result["recomputes"]`` then counts the MoE block forwards run inside a backward.
 
     ``stderr_dir``: this rank's stderr goes to ``stderr_dir/rank<N>.err`` (gloo prints a collective
     mismatch there, then aborts the process) and, after every forward, the experts reached so far to
@@ -106,6 +110,9 @@ def train_moe(rank, world, framework, family, patches, precision=None, accumulat
     if framework == "accelerate":
         rank_env(rank, world)
     model = build(family)
+    if checkpointing is not None:
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"})
     reference = copy.deepcopy(model)
     if precision == "bf16":
         # The reference computes in bf16 too: routing is a discrete choice, and an fp32 reference would send a
@@ -124,6 +131,15 @@ def train_moe(rank, world, framework, family, patches, precision=None, accumulat
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     ref_optimizer = torch.optim.SGD(reference.parameters(), lr=lr)
     from .tiny import moe
+
+    if checkpointing is not None:
+        result["recomputes"] = 0
+
+        def count_recompute(_module, _args):  # a block forward inside a backward: the checkpoint's recompute
+            result["recomputes"] += int(torch._C._current_graph_task_id() != -1)
+
+        for _, block in moe.moe_blocks(model):
+            block.register_forward_pre_hook(count_recompute)
 
     for step in range(steps):
         # every rank's micro-batches (the reference trains on all of them): different tokens per rank

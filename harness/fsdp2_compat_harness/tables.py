@@ -29,9 +29,12 @@ def patch_table():
 
 
 def _spans(targets):
-    from fsdp2_compat.core.guards import release_spans
+    """The releases whose code a target's seam fits; code of releases upstream fixed (``fixed_in``: recorded
+    where a target has no seam of its own, torch's ``RECOMPUTE_CAST``) is never patched, so it is not "fixed"."""
+    from fsdp2_compat.core.guards import in_range, release_spans
 
-    return [span for t in targets for span in release_spans(t)]
+    return [span for t in targets for span in release_spans(t)
+            if not (t.fixed_in and in_range(str(span[0]), t.fixed_in))]
 
 
 def _overlaps(spec, spans):
@@ -110,8 +113,10 @@ def cell(targets):
         lo, hi = min(s[0] for s in spans), max(s[1] for s in spans)
         parts.append("fixed %s" % (lo if lo == hi else "%s-%s" % (lo, hi)))
     # Probe points of the ranges known to have the bug: a declared range that meets one is not "not affected".
+    from fsdp2_compat.core.guards import in_range
+
     uncovered_points = [(v, v) for t in targets for spec in t.unsupported
-                        for v in re.findall(r"[0-9]+(?:\.[0-9A-Za-z]+)*", spec)]
+                        for v in re.findall(r"[0-9]+(?:\.[0-9A-Za-z]+)*", spec) if in_range(v, spec)]
     not_affected = []
     for t in targets:
         for spec in ([t.fixed_in] if t.fixed_in else []) + list(t.declared):

@@ -95,6 +95,13 @@ def test_every_published_release_of_every_target_is_classified():
                       "older):\n%s" % (len(fresh), GRACE_DAYS, "\n".join(fresh)), UserWarning)
     assert not problems, "%d published release(s) the catalogue does not classify (new on the registry?):\n%s" % (
         len(problems), "\n".join(problems))
-    # Every target fits the code of at least one published release.
+    # Every target fits the code of at least one published release, but one with no seam of its own: its
+    # fingerprints are code upstream fixed (``fixed_in`` decides first), it exists for the "not covered" it
+    # declares (torch's RECOMPUTE_CAST).
+    from fsdp2_compat.core import guards
+
+    declaring = {t.key for t in registry.targets()
+                 if t.fixed_in and all(guards.in_range(str(lo), t.fixed_in) for lo, _ in guards.release_spans(t))}
     covered = {t.key for t, _, verdict, _ in rows if verdict == "covered"}
-    assert covered == {t.key for t in registry.targets()}, sorted({t.key for t in registry.targets()} - covered)
+    assert covered == {t.key for t in registry.targets()} - declaring, sorted(
+        {t.key for t in registry.targets()} - declaring - covered)

@@ -80,9 +80,9 @@ def test_patched_fused_forward_matches_the_dp_average(family):
         assert r["forward"] == "verl.models.transformers." + forward, r["forward"]
         if forward == "dense_common" and family != "qwen2":
             # verl's text-only fused forward drops the images (upstream); the patch says so, once.  The
-            # tower runs only as the mixed-ranks fix's zero-contribution dummy: no image reaches it (and
-            # not at all when the dummy is walked: fixes.unit_walk, from the second step)
-            assert r["vision_calls"] == r["dummy_forwards"] - r["walks"] and r["walks"] == 1, r
+            # tower runs only as the mixed-ranks fix's zero-contribution dummy: no image reaches it (from the
+            # second such micro-batch the dummy is a walk of the recorded units: no tower call, fixes/unit_walk.py).
+            assert r["vision_calls"] == r["dummy_forwards"] - r["walks"] and r["vision_calls"] >= 1, r
             assert len(r["warnings"]) == 1 and "ignores pixel_values" in r["warnings"][0], r["warnings"]
         else:
             assert r["warnings"] == []

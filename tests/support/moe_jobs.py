@@ -1,7 +1,7 @@
 """Rank jobs for tests/integrations/test_moe_experts.py (test-only harness; never in the wheel)."""
 
 
-def run(framework, family, patches, precision=None, accumulate=1, steps=2, pg_timeout=20, fn=None):
+def run(framework, family, patches, precision=None, accumulate=1, steps=2, pg_timeout=20, fn=None, checkpointing=None):
     """``moe_scenarios.train_moe`` (or ``fn``, with its arguments) on 2 gloo ranks: ``(results or None, stderr per
     rank, experts that differ)``.
 
@@ -16,8 +16,11 @@ def run(framework, family, patches, precision=None, accumulate=1, steps=2, pg_ti
 
     with tempfile.TemporaryDirectory(prefix="moe_experts_") as tmp:
         try:
+            kwargs = {"stderr_dir": tmp}
+            if checkpointing is not None:
+                kwargs["checkpointing"] = checkpointing
             results = run_ranks(fn or moe_scenarios.train_moe, 2, framework, family, patches, precision, accumulate, steps,
-                                kwargs={"stderr_dir": tmp}, timeout=pg_timeout + 120, retries=0,
+                                kwargs=kwargs, timeout=pg_timeout + 120, retries=0,
                                 pg_timeout=pg_timeout)
         except RankError as exc:
             results, died = None, str(exc)

@@ -10,6 +10,7 @@ reference, and the patch that fixes it.  The scenarios:
 
 - ``selection``: each covered family through each installed framework's own wrapping, one CPU gloo rank;
 - ``fused``: verl's fused-kernel forwards (and on two ranks, where one cannot show the unaveraged gradient);
+- ``sp_labels``: verl 0.7.0-0.7.1's fused forwards under Ulysses SP 2 (its actor, two ranks, one SP group);
 - ``trl``: TRL's SFT loss through its fused LM head on accelerate's FSDP2, two ranks;
 - ``accelerate``: accelerate's FSDP2 tail unit (a Liger-style ``lm_head`` reader; a tied model), two ranks;
 - ``engines``: GLM-4.1V through verl's FSDP engine and SkyRL's FSDPStrategy, two ranks;
