@@ -103,6 +103,11 @@ def batches(model, family, tokens, image_side, device="cpu", seed=0):
     image = {"input_ids": image_ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone(),
              "pixel_values": torch.randn(side * side, width, generator=gen).to(device), "image_grid_thw": grid}
     image["labels"][0, 4:4 + n_image] = -100
+    from fsdp2_compat_harness.tiny.batches import _accepts
+
+    rope_index = getattr(model.model, "get_rope_index", None)
+    if rope_index is not None and _accepts(rope_index, "mm_token_type_ids"):  # transformers 5.x's M-RoPE types
+        image["mm_token_type_ids"] = (image_ids == model.config.image_token_id).to(torch.int32)
     return {"text": text, "image": image}
 
 
