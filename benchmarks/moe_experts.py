@@ -7,7 +7,8 @@ reduced to what this CPU steps on two ranks: ``--layers`` decoder layers
 128; ``--experts 128`` is the real count, ~9 GiB per rank), a
 ``--vocab``-token vocabulary (default 4096); fp32, sharded per decoder layer
 (``fully_shard``), transformers 4.x's per-expert ``nn.ModuleList`` (the loop
-that runs only the experts some token reached).  One step is forward +
+that runs only the experts some token reached; a forward without backward
+first checks that every rank reaches every expert).  One step is forward +
 backward + SGD on 2 rows of ``--tokens`` tokens per rank.  Three variants of
 the step, alternating run after run in the same rank processes
 (``_cost.alternate``; the fix is requested and reverted between them, and the
@@ -96,9 +97,15 @@ def _rank(rank, world, args):
     for _, block in moe.moe_blocks(model):
         block.gate.register_forward_hook(lambda _m, _i, out: out + mask if routing["masked"] else out)
     gen = torch.Generator().manual_seed(100 + rank)
-    from fsdp2_compat_harness.tiny.text import text_ids
-
-    ids = torch.stack([text_ids(gen, args["tokens"]) % args["vocab"] for _ in range(2)])
+    ids = torch.randint(3, args["vocab"], (2, args["tokens"]), generator=gen)
+    # Unpatched, a rank that leaves an expert unreached aborts the run: check first, in a forward without backward.
+    with torch.no_grad(), moe.hits(model) as hits:
+        model(input_ids=ids)
+    fewest = torch.tensor([min(len(seen) for seen in hits.values())])
+    dist.all_reduce(fewest, op=dist.ReduceOp.MIN)
+    if int(fewest) < args["experts"]:
+        raise RuntimeError("with these tokens some rank reaches only %d of the %d experts of a block: not the "
+                           "every-expert case the unpatched rows need (more --tokens)" % (int(fewest), args["experts"]))
     record = {label: {"bytes": [], "reached": []} for label in ROWS}
 
     def step(label):
@@ -150,7 +157,7 @@ def main(argv):
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--layers", type=int, default=1)
     parser.add_argument("--vocab", type=int, default=4096)
-    parser.add_argument("--tokens", type=int, default=64, help="per row; two rows per rank")
+    parser.add_argument("--tokens", type=int, default=128, help="per row; two rows per rank")
     parser.add_argument("--masked", type=int, default=8, help="experts each rank's router never picks (row 3)")
     parser.add_argument("--runs", type=int, default=3)
     args = vars(parser.parse_args(argv))
