@@ -21,7 +21,7 @@ untied ``nn.Embedding`` a unit of its own) and by the corrected one
 (``select_wrap_targets``), both models in the same rank processes,
 alternating step by step (``benchmarks/_cost.py``): the median ms, the time
 ratio and the aten operators of each, fp32, its full vision tower
-(``--depth``), ``--layers`` text layers at the real hidden size and a
+(``--depth``), ``--layers`` text layers at the real hidden size (default 0) and a
 ``--vocab``-token vocabulary (the moved parameters are the tower's).  A family
 whose raw read crashes upstream (GLM-4.1V) has no upstream step to time;
 Qwen2.5-VL moves nothing (both rules give the same units).
@@ -170,7 +170,8 @@ def main(argv=None):
     parser.add_argument("families", nargs="*")
     parser.add_argument("--step-family", default="qwen3_vl", help="whose step is timed ('none': no step)")
     parser.add_argument("--depth", type=int, default=None, help="vision blocks of the timed step (default: all)")
-    parser.add_argument("--layers", type=int, default=1)
+    parser.add_argument("--layers", type=int, default=0, help="text layers of the timed step (the moved "
+                        "parameters are the tower's; two models per rank must fit this shared machine)")
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--image", type=int, default=128, help="image side in pixels")
