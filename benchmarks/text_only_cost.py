@@ -39,106 +39,10 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-
 ROWS = ("text", "dummy", "walk", "image")
 
-
-def build(family, depth, layers, vocab, device="cpu", dtype=None):
-    """The real-size model of ``family`` with ``depth`` vision blocks (None: all), ``layers`` text layers and a
-    ``vocab``-token vocabulary, untied, in train mode."""
-    import torch
-    import transformers
-
-    from fsdp2_compat_harness import tiny
-    from fsdp2_compat_harness.tiny.configs import CLASSES
-    from support.real_size import real_size_config
-
-    config = real_size_config(family)
-    text = config.get_text_config()
-    text.num_hidden_layers, text.vocab_size = layers, vocab
-    config.tie_word_embeddings = text.tie_word_embeddings = False
-    for offset, name in enumerate(("image_token_id", "video_token_id", "vision_start_token_id",
-                                   "vision_end_token_id", "image_start_token_id", "image_end_token_id")):
-        if getattr(config, name, None) is not None:  # special tokens inside the smaller vocabulary
-            setattr(config, name, vocab - 1 - offset)
-    if depth:
-        config.vision_config.depth = depth
-        if hasattr(config.vision_config, "fullatt_block_indexes"):
-            config.vision_config.fullatt_block_indexes = [i for i in config.vision_config.fullatt_block_indexes
-                                                          if i < depth] or [depth - 1]
-        if hasattr(config.vision_config, "deepstack_visual_indexes"):
-            config.vision_config.deepstack_visual_indexes = [i for i in config.vision_config.deepstack_visual_indexes
-                                                             if i < depth]
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = tiny.quiet(getattr(transformers, CLASSES[family][0]), config)
-    if dtype is not None:
-        model.to(dtype)
-    return model.train()
-
-
-def shard(model, mesh, mp_policy=None):
-    from torch.distributed.fsdp import fully_shard
-
-    names = set(model._no_split_modules)
-    kwargs = {"mesh": mesh}
-    if mp_policy is not None:
-        kwargs["mp_policy"] = mp_policy
-    for module in model.modules():
-        if type(module).__name__ in names:
-            fully_shard(module, **kwargs)
-    fully_shard(model, **kwargs)
-    return model
-
-
-def batches(model, family, tokens, image_side, device="cpu"):
-    """``{"text": ..., "image": ...}`` micro-batches of ``tokens`` tokens; the image is ``image_side`` pixels
-    square (patches of the tower's geometry), its merged tokens in place of as many text tokens (the image
-    micro-batch is longer where they do not fit)."""
-    import torch
-
-    vision = model.config.vision_config
-    patch, merge = vision.patch_size, vision.spatial_merge_size
-    side = image_side // patch // merge * merge
-    grid = torch.tensor([[1, side, side]], device=device)
-    width = vision.in_channels * vision.temporal_patch_size * patch * patch
-    n_image = side * side // (merge * merge)
-    gen = torch.Generator().manual_seed(0)
-    vocab = model.config.get_text_config().vocab_size
-    ids = torch.randint(3, vocab - 8, (1, max(tokens, n_image + 8)), generator=gen).to(device)
-    text = {"input_ids": ids[:, :tokens], "attention_mask": torch.ones_like(ids[:, :tokens]),
-            "labels": ids[:, :tokens].clone()}
-    image_ids = ids.clone()
-    image_ids[0, 4:4 + n_image] = model.config.image_token_id
-    image = {"input_ids": image_ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone(),
-             "pixel_values": torch.randn(side * side, width, generator=gen).to(device), "image_grid_thw": grid}
-    image["labels"][0, 4:4 + n_image] = -100
-    return {"text": text, "image": image}
-
-
-class OpCounter:
-    """Counts the aten operators dispatched inside it (``TorchDispatchMode``)."""
-
-    def __init__(self):
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        counter = self
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                counter.ops += 1
-                return func(*args, **(kwargs or {}))
-
-        self.ops = 0
-        self.mode = Mode()
-
-    def __enter__(self):
-        self.mode.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self.mode.__exit__(*exc)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _cost import OpCounter, batches, build, shard  # noqa: E402,F401  (shared; gpu_check reads them here)
 
 
 def with_fix(model, row):

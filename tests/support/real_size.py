@@ -26,6 +26,30 @@ MISSING = {
 }
 
 
+# Text MoE checkpoints with transformers 4.x's per-expert ``nn.ModuleList`` (the MoE experts fix); family names of
+# ``fsdp2_compat_harness.tiny.moe``.
+MOE = {
+    # Qwen/Qwen3-30B-A3B config.json
+    "qwen3_moe": dict(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, moe_intermediate_size=768,
+        num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
+        max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    ),
+}
+
+
+def real_size_moe_config(family: str, **overrides):
+    """The published config of the text MoE ``family`` (``MOE``), with ``overrides`` (fewer layers, experts...)."""
+    import transformers as T
+
+    from fsdp2_compat_harness.tiny import moe
+
+    values = dict(MOE[family], **_rope(1000000.0))
+    values.update(overrides)
+    return tiny.quiet(lambda: getattr(T, moe.CLASSES[family][1])(**values))
+
+
 def real_size_config(family: str):
     """Config with the published dimensions of a named checkpoint.
 
