@@ -162,6 +162,7 @@ FROZEN_FIRST_FORWARD = Fix(
             "dtype 'c10::BFloat16' to a tensor with grad_dtype 'Float'`",
     references=("pytorch issue #186998",),
     delete_when="when every torch you run is >= 2.14.0 (a frozen unit's dtypes come from its floating parameters)",
+    scenarios=("LoRA tower unfrozen, 2 ranks",),
     tests=("tests/integrations/test_lora_vlm.py",),
 )
 

@@ -10,13 +10,9 @@ EXPERT_TARGETS = ("q_proj", "v_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def _lora(model, targets):
-    import peft
-    import torch
+    from fsdp2_compat_harness import lora
 
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        return peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(targets),
-                                                          init_lora_weights="gaussian"))
+    return lora.lora(model, targets)
 
 
 def _lora_builds(targets):
@@ -85,41 +81,7 @@ def fused(rank, world, family, patches):
 
 
 def unfreeze(rank, world, framework, patches):
-    """pytorch #186998: bf16 parameters / fp32 reduce; a LoRA warm-up step with the tower frozen (its units'
-    first forward frozen), then the tower unfrozen.  The error text of step 1, or None; the vision gradients'
-    dtypes; their worst error relative to the largest, against the unsharded fp32 model's gradients of the
-    data-parallel average of step 1's batches (no optimizer step: the parameters are step 0's)."""
-    import copy
+    """pytorch #186998 (``fsdp2_compat_harness.lora.unfreeze``: the ``check`` row's run)."""
+    from fsdp2_compat_harness import lora
 
-    import torch
-
-    import fsdp2_compat
-    from fsdp2_compat_harness import moe_scenarios, tiny
-    from fsdp2_compat_harness.scenarios import first_line
-
-    if patches:
-        fsdp2_compat.apply(patches)
-    model = _lora(tiny.build("qwen2_5_vl"), ("q_proj", "v_proj"))
-    reference = copy.deepcopy(model)
-    moe_scenarios.shard(framework, model, world, "bf16")
-    out = {"error": None, "vision_grad_dtypes": [], "vision_rel_to_max": None}
-    for step in range(2):
-        if step == 1:
-            for name, param in model.named_parameters():
-                param.requires_grad_(param.requires_grad or ".visual." in name)
-        try:
-            model(**tiny.make_batch("qwen2_5_vl", model, seed=1 + step * world + rank)).loss.backward()
-        except Exception as exc:  # noqa: BLE001 - the upstream error, reported
-            out["error"] = "step %d: %s: %s" % (step, type(exc).__name__, first_line(exc))
-            return out
-    for name, param in reference.named_parameters():
-        param.requires_grad_(".visual." in name)
-    for r in range(world):  # FSDP2 averages the ranks' gradients: the reference's is the mean of theirs
-        (reference(**tiny.make_batch("qwen2_5_vl", reference, seed=1 + world + r)).loss / world).backward()
-    want = {n: p.grad for n, p in reference.named_parameters() if ".visual." in n}
-    got = {n: p.grad for n, p in model.named_parameters() if ".visual." in n and p.grad is not None}
-    out["vision_grad_dtypes"] = sorted({str(g.dtype) for g in got.values()})
-    assert got and set(got) == set(want), (sorted(got)[:3], sorted(want)[:3])
-    worst = max(want[n].abs().max().item() for n in want)
-    out["vision_rel_to_max"] = max((got[n].full_tensor().float() - want[n]).abs().max().item() for n in got) / worst
-    return out
+    return lora.unfreeze(rank, world, framework, patches)
