@@ -1,0 +1,102 @@
+"""One FSDP2 unit per storage dtype: transformers' fp32-kept modules inside a bf16 layer get a unit of their own.
+
+transformers >= 5.24.0 keeps MoE routers in fp32 (``_keep_in_fp32_modules_strict``: ``gate.weight`` of glm4_moe,
+glm4v_moe, deepseek_v2, deepseek_v3), so a model loaded with ``dtype=torch.bfloat16`` holds a trainable fp32
+``mlp.gate.weight`` in every bf16 decoder layer.  A ``fully_shard`` of that layer builds one parameter group over
+both, and torch's lazy init (``FSDPParamGroup._init_mp_dtypes``, the first forward) raises ``AssertionError: FSDP
+expects uniform original parameter dtype but got {torch.bfloat16, torch.float32}``.
+
+``seam`` wraps torch's ``fully_shard`` (the target is the module global of ``torch.distributed.fsdp._fully_shard.
+_fully_shard``; the engine rebinds every alias by identity: ``torch.distributed.fsdp.fully_shard``, what
+frameworks imported by name before the patch, what accelerate imports at call time).  A call whose trainable
+parameters not yet in a unit mix storage dtypes first shards each outermost submodule made only of the
+minority dtype (an "island": the router) with the call's own arguments and ``MixedPrecisionPolicy(param_dtype=
+None, reduce_dtype=<the call's>, cast_forward_inputs=False)``: it computes in its storage dtype exactly as
+unsharded and its gradient is reduced as the call asked.  Then the call runs as given: its group is uniform.
+Any other call is torch's, untouched.  A minority parameter with no island (a bare fp32 parameter beside bf16
+ones in one module) cannot be split: the call raises before anything is sharded, naming the parameters.
+
+Cost: one all-gather and one reduce-scatter more per island (a router: experts x hidden).  Upstream:
+transformers 5.24.0 (the fp32 routers), accelerate PR #3985 (its upcast when mixed precision is on), NeMo
+AutoModel #1677.  Delete when torch's FSDP2 accepts mixed parameter dtypes in one unit, or no model you train
+keeps a trainable module in another dtype.
+"""
+
+UNIFORM_CHECK = "FSDP expects uniform original parameter dtype"
+STATS = {"islands": []}  # "Class.sub (dtype)" of every island sharded (tests read it)
+
+
+def _pending_trainable(modules, ignored):
+    """Trainable parameters of ``modules`` that no unit manages yet (not ``ignored``), each once."""
+    from torch.distributed.fsdp import FSDPModule
+
+    managed = {id(p) for m in modules for sub in m.modules() if sub not in modules and isinstance(sub, FSDPModule)
+               for p in sub.parameters()}
+    seen, out = set(ignored), []
+    for m in modules:
+        for name, p in m.named_parameters():
+            if p.requires_grad and id(p) not in managed and id(p) not in seen:
+                seen.add(id(p))
+                out.append((name, p))
+    return out
+
+
+def plan(modules, ignored=()):
+    """``[(name, submodule)]`` islands to shard first, or ``[]`` when the call's group is uniform.
+
+    Raises ``ValueError`` when a minority-dtype parameter has no island."""
+    params = _pending_trainable(modules, {id(p) for p in ignored})
+    sizes = {}
+    for _, p in params:
+        sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
+    if len(sizes) < 2:
+        return []
+    major = max(sizes, key=sizes.get)
+    pending = {id(p) for _, p in params}
+    minority = {id(p) for _, p in params if p.dtype != major}
+    islands, taken = [], set()
+    for m in modules:
+        for name, sub in m.named_modules():
+            own = [p for p in sub.parameters() if id(p) in pending]
+            if sub in modules or not own or taken.intersection(map(id, own)):
+                continue
+            if minority.issuperset(map(id, own)) and len({p.dtype for p in own}) == 1:
+                islands.append(("%s.%s" % (type(m).__name__, name), sub))
+                taken.update(map(id, own))
+    bare = ["%s (%s)" % (n, str(p.dtype).replace("torch.", "")) for n, p in params if id(p) in minority - taken]
+    if bare:
+        raise ValueError("%s but got %s: %s sit beside %s parameters in one module, so fsdp2-compat cannot give "
+                         "them a unit of their own; cast them (or their module) to one dtype before fully_shard"
+                         % (UNIFORM_CHECK, sorted(map(str, sizes)), ", ".join(bare), major))
+    return islands
+
+
+def seam(module, attr):
+    """``{"fully_shard": wrapper}``: fp32 islands sharded first (see the module doc)."""
+    import inspect
+
+    import wrapt
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    from ..core.guards import NotNeeded
+
+    if UNIFORM_CHECK not in inspect.getsource(FSDPParamGroup._init_mp_dtypes):
+        raise NotNeeded("this torch's FSDPParamGroup no longer requires one parameter dtype per unit")
+
+    def fully_shard(wrapped, instance, args, kwargs):
+        target = args[0] if args else kwargs.get("module")
+        modules = list(target) if isinstance(target, (list, tuple)) else [target]
+        islands = plan(modules, kwargs.get("ignored_params") or ())
+        if islands:
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            policy = kwargs.get("mp_policy") or MixedPrecisionPolicy()
+            own = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=policy.reduce_dtype, output_dtype=None,
+                                       cast_forward_inputs=False)
+            rest = {k: v for k, v in kwargs.items() if k != "module"}
+            for name, sub in islands:
+                wrapped(sub, **dict(rest, mp_policy=own))
+                STATS["islands"].append("%s (%s)" % (name, next(sub.parameters()).dtype))
+        return wrapped(*args, **kwargs)
+
+    return {attr: wrapt.FunctionWrapper(module.__dict__[attr], fully_shard)}
