@@ -52,6 +52,9 @@ def wrap(model, how, rank, world):
         return model
     from .trl_scenarios import cpu_fsdp, make_accelerator, rank_env
 
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)  # one process pair serves every case
     rank_env(rank, world)
     with cpu_fsdp():
         accelerator = make_accelerator(bf16=False)  # mixed_precision="no": accelerate casts nothing
