@@ -1,47 +1,35 @@
 """transformers: the base model forwards that skip the media tower on a text-only micro-batch.
 
-One target per family: ``transformers.models.<family>.modeling_<family>``,
-``<Family>Model.forward`` (the module under ``<Family>ForConditionalGeneration.model``
-that runs the token embedding, then the vision tower when it is given media:
-``pixel_values`` / ``pixel_values_videos``).  The fix code is
-``fsdp2_compat.fixes.mixed_media`` (why this seam, the mechanism, how it fails
-safe); what it knows of each tower (attribute, media arguments, the smallest
-valid dummy) is ``fsdp2_compat.fixes.media_towers``.
+One target per family: ``transformers.models.<family>.modeling_<family>``, ``<Family>Model.forward`` (the module under
+``<Family>ForConditionalGeneration.model`` that runs the token embedding, then the vision tower when it is given
+media: ``pixel_values`` / ``pixel_values_videos``).  The fix code is ``fsdp2_compat.fixes.mixed_media`` (why this
+seam, the mechanism, how it fails safe); what it knows of each tower (attribute, media arguments, the smallest valid
+dummy) is ``fsdp2_compat.fixes.media_towers``.
 
-Families: the Qwen/GLM patch-grid towers (Qwen2-VL, Qwen2.5-VL, Qwen3-VL(-MoE),
-GLM-4.1V/4.5V/4.6V, Qwen3.5(-MoE)), PaddleOCR-VL (unflattened patches, same
-grid), LFM2-VL (SigLIP2 NaFlex ``vision_tower``), and the Whisper-style
-``audio_tower`` of Qwen2-Audio, Voxtral and AudioFlamingo3 (media
-``input_features``; the outer class's forward runs the tower until 5.9.0,
-``<Family>Model.forward`` from 5.10.0: two targets each, each declaring the
-other's releases), and, new in transformers 5.1x, HunYuan-VL (from 5.13.0,
-``vision_tower``) and Cosmos-3 Edge (from 5.15.0, ``visual``): flat patches
-with the same grid; Step-3.7 (from 5.16.0, ``vision_model``: square views,
-and a second tower call for local crops); Chameleon (``vqmodel``: a VQ-VAE
-encoder whose codes the token embedding embeds); DeepSeek-OCR-2 (from
-5.10.1, ``vision_tower``: SAM and learned query tables, crops as Step-3.7's);
-GLM-Image (from 5.0.0, ``visual`` and a VQ tokenizer that run before the
-token embedding, ``fixes.vq_tokens``: the dummy at the forward's entry, and
-one tokenizer call per micro-batch).
+Families: the Qwen/GLM patch-grid towers (Qwen2-VL, Qwen2.5-VL, Qwen3-VL(-MoE), GLM-4.1V/4.5V/4.6V, Qwen3.5(-MoE)),
+PaddleOCR-VL (unflattened patches, same grid), LFM2-VL (SigLIP2 NaFlex ``vision_tower``), and the Whisper-style
+``audio_tower`` of Qwen2-Audio, Voxtral and AudioFlamingo3 (media ``input_features``; the outer class's forward runs
+the tower until 5.9.0, ``<Family>Model.forward`` from 5.10.0: two targets each, each declaring the other's releases),
+and, new in transformers 5.1x, HunYuan-VL (from 5.13.0, ``vision_tower``) and Cosmos-3 Edge (from 5.15.0, ``visual``):
+flat patches with the same grid; Step-3.7 (from 5.16.0, ``vision_model``: square views, and a second tower call for
+local crops); Chameleon (``vqmodel``: a VQ-VAE encoder whose codes the token embedding embeds); DeepSeek-OCR-2 (from
+5.10.1, ``vision_tower``: SAM and learned query tables, crops as Step-3.7's); GLM-Image (from 5.0.0, ``visual`` and a
+VQ tokenizer that run before the token embedding, ``fixes.vq_tokens``: the dummy at the forward's entry, and one
+tokenizer call per micro-batch).
 
 Releases (every published transformers release was read, see ``FORWARD_FINGERPRINTS``):
-- fingerprinted: 4.57.0-5.25.0 (the newest), each release's code of the
-  forward, where it was checked to call the token embedding before the tower,
-  to take the media under the argument names ``media_towers`` lists and to
-  call the feature function ``media_towers`` runs on the dummy
-  (``get_image_features``; 5.18.0+ PaddleOCR-VL / LFM2-VL and 5.24.0 for all
-  also take precomputed ``mm_encoder_outputs``: media, no dummy; 5.24.0 calls
-  its cache ``cache``);
+- fingerprinted: 4.57.0-5.25.0 (the newest), each release's code of the forward, where it was checked to call the
+  token embedding before the tower, to take the media under the argument names ``media_towers`` lists and to call the
+  feature function ``media_towers`` runs on the dummy (``get_image_features``; 5.18.0+ PaddleOCR-VL / LFM2-VL and
+  5.24.0 for all also take precomputed ``mm_encoder_outputs``: media, no dummy; 5.24.0 calls its cache ``cache``);
 - declared: releases without the family's module;
-- unsupported (the bug is there, the patch refuses loudly): the releases between
-  the family's first one and 4.57.0 (older code, not read for this fix).
-Later releases are unknown code until fingerprinted: refused with a warning.
-Proven on real FSDP2 on the pinned releases in ``PROVEN`` for every family;
-identical code elsewhere applies with a note.
+- unsupported (the bug is there, the patch refuses loudly): the releases between the family's first one and 4.57.0
+  (older code, not read for this fix).
+Later releases are unknown code until fingerprinted: refused with a warning. Proven on real FSDP2 on the pinned
+releases in ``PROVEN`` for every family; identical code elsewhere applies with a note.
 
-Upstream: TRL issue #3934, miles #2406, torchtitan #4777 (the hang); handled in
-verl's own forwards, LLaMA-Factory's v0 collator (#6233), prime-rl #1959,
-cosmos-rl #606.  Delete when transformers keeps every rank in the tower's
+Upstream: TRL issue #3934, miles #2406, torchtitan #4777 (the hang); handled in verl's own forwards, LLaMA-Factory's
+v0 collator (#6233), prime-rl #1959, cosmos-rl #606.  Delete when transformers keeps every rank in the tower's
 collectives, or torch FSDP2 tolerates a unit one rank skips.
 """
 

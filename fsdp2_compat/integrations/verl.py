@@ -1,31 +1,27 @@
 """verl: where its FSDP2 wrap selection lives, release by release.
 
 Module ``verl.utils.fsdp_utils``:
-- 0.4.0-0.7.0 select inline in ``apply_fsdp2`` (every ``nn.Embedding`` when
-  ``model.config.tie_word_embeddings`` is false) -> the ``fully_shard`` seam of
-  ``fsdp2_compat.fixes.inline_selection``;
-- 0.7.1-0.9.1 call ``_select_fsdp2_wrap_targets(model, layer_cls)`` by global
-  name from ``apply_fsdp2`` -> replaced by ``fsdp2_compat.fixes.selection.select_verl``.
+- 0.4.0-0.7.0 select inline in ``apply_fsdp2`` (every ``nn.Embedding`` when ``model.config.tie_word_embeddings`` is
+  false) -> the ``fully_shard`` seam of ``fsdp2_compat.fixes.inline_selection``;
+- 0.7.1-0.9.1 call ``_select_fsdp2_wrap_targets(model, layer_cls)`` by global name from ``apply_fsdp2`` -> replaced by
+  ``fsdp2_compat.fixes.selection.select_verl``.
 
-Callers import ``apply_fsdp2`` by name (``verl.workers.fsdp_workers``,
-``verl.trainer.fsdp_sft_trainer``, ``verl.workers.engine.fsdp.*``); the engine
-rebinds those aliases.
+Callers import ``apply_fsdp2`` by name (``verl.workers.fsdp_workers``, ``verl.trainer.fsdp_sft_trainer``,
+``verl.workers.engine.fsdp.*``); the engine rebinds those aliases.
 
-To support a new release: widen ``versions`` and, if the function changed,
-add ``"<release>": "<fingerprint>"`` (``fsdp2-compat fingerprint FILE NAME``).
+To support a new release: widen ``versions`` and, if the function changed, add ``"<release>": "<fingerprint>"``
+(``fsdp2-compat fingerprint FILE NAME``).
 
-Module ``verl.models.transformers.glm4v`` (0.6.0+): verl's GLM-4.1V forward, whose
-``_get_input_embeds`` / ``process_position_ids`` predate transformers 5.0's vision output
-object / postdate 4.x's 3-row rotary ids -> ``fsdp2_compat.fixes.glm4v_forward``.
+Module ``verl.models.transformers.glm4v`` (0.6.0+): verl's GLM-4.1V forward, whose ``_get_input_embeds`` /
+``process_position_ids`` predate transformers 5.0's vision output object / postdate 4.x's 3-row rotary ids ->
+``fsdp2_compat.fixes.glm4v_forward``.
 
-Upstream: SkyRL issue #2087 / PR #2088 (the selection rule), verl issue #4756 /
-PR #6659 (lm_head reads), verl issues #4095 / #6814 (GLM-4.1V forward failures).
-Fails safe (``fsdp2_compat.core.policy``): the code decides, not the version.
-Code whose fingerprint is not listed is refused, with a warning naming the
-patch, the release and what to do, and left untouched; a release outside
-``versions`` whose code is a recorded release's is patched, and ``status``
-says it is outside the proven range (``FSDP2_COMPAT_STRICT=proven`` refuses it).
-Delete a target when ``fixed_in`` would cover every release you run.
+Upstream: SkyRL issue #2087 / PR #2088 (the selection rule), verl issue #4756 / PR #6659 (lm_head reads), verl issues
+#4095 / #6814 (GLM-4.1V forward failures). Fails safe (``fsdp2_compat.core.policy``): the code decides, not the
+version. Code whose fingerprint is not listed is refused, with a warning naming the patch, the release and what to do,
+and left untouched; a release outside ``versions`` whose code is a recorded release's is patched, and ``status`` says
+it is outside the proven range (``FSDP2_COMPAT_STRICT=proven`` refuses it). Delete a target when ``fixed_in`` would
+cover every release you run.
 """
 
 from ..core.records import Integration, Target
