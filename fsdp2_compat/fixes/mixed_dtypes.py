@@ -1,25 +1,23 @@
 """One FSDP2 unit per storage dtype: transformers' fp32-kept modules inside a bf16 layer get a unit of their own.
 
 transformers >= 5.24.0 keeps MoE routers in fp32 (``_keep_in_fp32_modules_strict``: ``gate.weight`` of glm4_moe,
-glm4v_moe, deepseek_v2, deepseek_v3), so a model loaded with ``dtype=torch.bfloat16`` holds a trainable fp32
-``mlp.gate.weight`` in every bf16 decoder layer.  A ``fully_shard`` of that layer builds one parameter group over
-both, and torch's lazy init (``FSDPParamGroup._init_mp_dtypes``, the first forward) raises ``AssertionError: FSDP
-expects uniform original parameter dtype but got {torch.bfloat16, torch.float32}``.
+glm4v_moe, deepseek_v2, deepseek_v3): loaded with ``dtype=torch.bfloat16``, every bf16 decoder layer holds a
+trainable fp32 ``mlp.gate.weight``, one ``fully_shard`` group gets both, and torch's lazy init
+(``FSDPParamGroup._init_mp_dtypes``, first forward) raises ``AssertionError: FSDP expects uniform original parameter
+dtype but got {torch.bfloat16, torch.float32}``.
 
-``seam`` wraps torch's ``fully_shard`` (the target is the module global of ``torch.distributed.fsdp._fully_shard.
-_fully_shard``; the engine rebinds every alias by identity: ``torch.distributed.fsdp.fully_shard``, what
-frameworks imported by name before the patch, what accelerate imports at call time).  A call whose trainable
-parameters not yet in a unit mix storage dtypes first shards each outermost submodule made only of the
-minority dtype (an "island": the router) with the call's own arguments and ``MixedPrecisionPolicy(param_dtype=
-None, reduce_dtype=<the call's>, cast_forward_inputs=False)``: it computes in its storage dtype exactly as
-unsharded and its gradient is reduced as the call asked.  Then the call runs as given: its group is uniform.
-Any other call is torch's, untouched.  A minority parameter with no island (a bare fp32 parameter beside bf16
-ones in one module) cannot be split: the call raises before anything is sharded, naming the parameters.
+``seam`` wraps torch's ``fully_shard`` (the module global of ``torch.distributed.fsdp._fully_shard._fully_shard``;
+the engine rebinds every alias by identity: ``torch.distributed.fsdp.fully_shard``, frameworks' imports by name,
+accelerate's import at call time).  A call whose trainable parameters not yet in a unit mix storage dtypes first
+shards each outermost submodule made only of the minority dtype (an "island": the router) with the call's own
+arguments and ``MixedPrecisionPolicy(param_dtype=None, reduce_dtype=<the call's>, cast_forward_inputs=False)``: it
+computes in its storage dtype exactly as unsharded, its gradient reduced as the call asked; then the call runs as
+given, on a uniform group.  Any other call is torch's, untouched.  A minority parameter with no island (a bare fp32
+parameter beside bf16 ones in one module) cannot be split: the call raises before anything is sharded, naming it.
 
-Cost: one all-gather and one reduce-scatter more per island (a router: experts x hidden).  Upstream:
-transformers 5.24.0 (the fp32 routers), accelerate PR #3985 (its upcast when mixed precision is on), NeMo
-AutoModel #1677.  Delete when torch's FSDP2 accepts mixed parameter dtypes in one unit, or no model you train
-keeps a trainable module in another dtype.
+Cost: one all-gather and one reduce-scatter more per island (a router: experts x hidden).  Upstream: transformers
+5.24.0 (the fp32 routers), accelerate PR #3985 (its upcast when mixed precision is on), NeMo AutoModel #1677.
+Delete when torch's FSDP2 accepts mixed parameter dtypes in one unit, or no trained model keeps a module in another.
 """
 
 UNIFORM_CHECK = "FSDP expects uniform original parameter dtype"

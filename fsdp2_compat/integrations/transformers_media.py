@@ -213,17 +213,11 @@ def _target(family, cls=None, fingerprints=None, declared=None, refuse_older=Tru
             "%s.forward of releases before 4.57.0 was not read for the mixed-ranks fix (the tower is skipped on "
             "text-only micro-batches there too)" % cls)
     return Target(
-        dist="transformers",
-        module="transformers.models.%s.modeling_%s" % (family, family),
-        attr=cls + ".forward",
-        versions=versions,
-        fingerprints=fingerprints or FORWARD_FINGERPRINTS[family],
-        fix=FIX,
-        families=(family,),
+        dist="transformers", module="transformers.models.%s.modeling_%s" % (family, family), attr=cls + ".forward",
+        versions=versions, fingerprints=fingerprints or FORWARD_FINGERPRINTS[family], fix=FIX, families=(family,),
         what=_WHAT % family,
         declared=dict({"<%s" % first: "no transformers.models.%s module" % family}, **(declared or {})),
-        unsupported=unsupported,
-        layout=layout,
+        unsupported=unsupported, layout=layout,
     )
 
 
