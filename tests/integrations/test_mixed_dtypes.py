@@ -69,6 +69,7 @@ def _ranks(results, key):
 def test_unpatched_mixed_unit_raises_torchs_assertion(results, family, wrap):
     for r in _ranks(results, (family, wrap, False)):
         assert r["error"] and UPSTREAM_FAILURE.match(r["error"]), r["error"]
+        assert r["rebound"] == [False, False], r["rebound"]
 
 
 @needs_fp32_routers
@@ -78,6 +79,7 @@ def test_patched_routers_get_their_own_unit_and_match_the_dp_average(results, fa
     ranks = _ranks(results, (family, wrap, True))
     for rank, r in enumerate(ranks):
         assert r["error"] is None, (rank, r["error"])
+        assert r["rebound"] == [True, True], "a name imported before the patch must be the patched fully_shard"
         assert [i.rpartition(".mlp.")[2] for i in r["islands"]] == ["gate (torch.float32)"] * 2, r["islands"]
         assert r["router_dtypes"] == ["float32"], "the router must compute with its fp32 weight: %s" % r
         assert r["grads_checked"] > 0
@@ -102,3 +104,15 @@ def test_a_bare_minority_parameter_is_refused_naming_it():
         mixed_dtypes.plan([block])
     block.A_log.requires_grad_(False)  # frozen parameters are exempt from torch's check: nothing to do
     assert mixed_dtypes.plan([block]) == []
+
+
+def test_the_moe_and_glm4v_patches_carry_the_torch_target_for_the_fp32_router_families():
+    from fsdp2_compat import registry
+    from fsdp2_compat.integrations import torch_fsdp
+
+    target = torch_fsdp.MIXED_DTYPE_UNITS
+    assert set(target.families) == {"glm4_moe", "glm4v_moe", "deepseek_v2", "deepseek_v3"}
+    carrying = {p.name for p in registry.PATCHES if target in p.targets}
+    assert carrying == {"moe", "glm4v"}, carrying
+    for model_type in target.families:
+        assert registry.for_model_type(model_type).name in carrying, model_type
