@@ -39,8 +39,9 @@ def _pending_trainable(modules, ignored):
     return out
 
 
-def plan(modules, ignored=()):
-    """``[(name, submodule)]`` islands to shard first, or ``[]`` when the call's group is uniform.
+def plan(modules, ignored=(), param_dtype=None):
+    """``[(name, submodule)]`` islands to shard first, or ``[]`` when the call's group is uniform.  The dtype kept is
+    the policy's ``param_dtype`` when some parameter has it, else the largest by size; the others form the islands.
 
     Raises ``ValueError`` when a minority-dtype parameter has no island."""
     params = _pending_trainable(modules, {id(p) for p in ignored})
@@ -49,7 +50,7 @@ def plan(modules, ignored=()):
         sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
     if len(sizes) < 2:
         return []
-    major = max(sizes, key=sizes.get)
+    major = param_dtype if param_dtype in sizes else max(sizes, key=sizes.get)
     pending = {id(p) for _, p in params}
     minority = {id(p) for _, p in params if p.dtype != major}
     islands, taken = [], set()
@@ -74,21 +75,24 @@ def seam(module, attr):
     import inspect
 
     import wrapt
+    from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
-    from ..core.guards import NotNeeded
+    from ..core.guards import Drift, NotNeeded
 
-    if UNIFORM_CHECK not in inspect.getsource(FSDPParamGroup._init_mp_dtypes):
+    try:
+        source = inspect.getsource(FSDPParamGroup._init_mp_dtypes)
+    except (OSError, TypeError) as exc:
+        raise Drift("FSDPParamGroup._init_mp_dtypes has no readable source (%s)" % exc) from None
+    if UNIFORM_CHECK not in source:
         raise NotNeeded("this torch's FSDPParamGroup no longer requires one parameter dtype per unit")
 
     def fully_shard(wrapped, instance, args, kwargs):
         target = args[0] if args else kwargs.get("module")
         modules = list(target) if isinstance(target, (list, tuple)) else [target]
-        islands = plan(modules, kwargs.get("ignored_params") or ())
+        policy = kwargs.get("mp_policy") or MixedPrecisionPolicy()
+        islands = plan(modules, kwargs.get("ignored_params") or (), policy.param_dtype)
         if islands:
-            from torch.distributed.fsdp import MixedPrecisionPolicy
-
-            policy = kwargs.get("mp_policy") or MixedPrecisionPolicy()
             own = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=policy.reduce_dtype, output_dtype=None,
                                        cast_forward_inputs=False)
             rest = {k: v for k, v in kwargs.items() if k != "module"}

@@ -116,3 +116,17 @@ def test_the_moe_and_glm4v_patches_carry_the_torch_target_for_the_fp32_router_fa
     assert carrying == {"moe", "glm4v"}, carrying
     for model_type in target.families:
         assert registry.for_model_type(model_type).name in carrying, model_type
+
+
+def test_the_policy_param_dtype_decides_which_dtype_stays_in_the_call():
+    """A layer whose fp32 parameters outweigh its bf16 ones still keeps the bf16 ones under a bf16 policy: the fp32
+    submodule is the island (it computes in fp32), never the other way round."""
+    import torch
+
+    from fsdp2_compat.fixes import mixed_dtypes
+
+    layer = torch.nn.Module()
+    layer.attn = torch.nn.Linear(2, 2).to(torch.bfloat16)
+    layer.gate = torch.nn.Linear(64, 64)  # fp32, the larger
+    assert [n for n, _ in mixed_dtypes.plan([layer], param_dtype=torch.bfloat16)] == ["Module.gate"]
+    assert [n for n, _ in mixed_dtypes.plan([layer])] == ["Module.attn"]  # no policy dtype: the larger stays
