@@ -8,12 +8,12 @@ dtype but got {torch.bfloat16, torch.float32}``.
 
 ``seam`` wraps torch's ``fully_shard`` (the module global of ``torch.distributed.fsdp._fully_shard._fully_shard``;
 the engine rebinds every alias by identity: ``torch.distributed.fsdp.fully_shard``, frameworks' imports by name,
-accelerate's import at call time).  A call whose trainable parameters not yet in a unit mix storage dtypes first
-shards each outermost submodule made only of the minority dtype (an "island": the router) with the call's own
-arguments and ``MixedPrecisionPolicy(param_dtype=None, reduce_dtype=<the call's>, cast_forward_inputs=False)``: it
-computes in its storage dtype exactly as unsharded, its gradient reduced as the call asked; then the call runs as
-given, on a uniform group.  Any other call is torch's, untouched.  A minority parameter with no island (a bare fp32
-parameter beside bf16 ones in one module) cannot be split: the call raises before anything is sharded, naming it.
+accelerate's import at call time).  A call whose trainable parameters not yet in a unit mix storage dtypes keeps
+one dtype (its policy's ``param_dtype``, else the largest) and first shards each outermost submodule made only of
+another (an "island": the router) with the call's arguments and ``MixedPrecisionPolicy(param_dtype=None,
+reduce_dtype=<the call's>, cast_forward_inputs=False)``: it computes in its storage dtype exactly as unsharded, its
+gradient reduced as asked; then the call runs as given, on a uniform group.  Any other call is torch's, untouched.
+A parameter with no island (fp32 beside bf16 in one module) cannot be split: the call raises first, naming it.
 
 Cost: one all-gather and one reduce-scatter more per island (a router: experts x hidden).  Upstream: transformers
 5.24.0 (the fp32 routers), accelerate PR #3985 (its upcast when mixed precision is on), NeMo AutoModel #1677.
