@@ -7,7 +7,7 @@ transformers' own ``from_pretrained(path, dtype=torch.bfloat16)`` (bf16 weights,
 copy loaded the same way is the reference trained on the data-parallel average (``scenarios.
 train_against_reference``, different data per rank, SGD on both).  A case is a dict:
 
-- ``family``: ``glm4_moe`` / ``deepseek_v3`` / ``deepseek_v2`` (``tiny.moe``);
+- ``family``: ``glm4_moe`` / ``deepseek_v3`` / ``deepseek_v2`` (``tiny.moe``), ``glm4v_moe`` (its image batches);
 - ``wrap``: ``"per-layer"``: torch's recipe, ``fully_shard`` on each ``_no_split_modules`` layer and then the
   root with ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (the loops of verl, SkyRL, AReaL,
   LLaMA-Factory); ``"accelerate"``: accelerate's ``Accelerator.prepare`` with an FSDP2 plugin
@@ -27,12 +27,12 @@ import os
 CASE = {"family": "glm4_moe", "wrap": "per-layer", "patches": None}
 
 
-def model_class(family):
-    import transformers as T
-
+def build(family):
+    """The tiny model of ``family`` (a MoE VLM with ``tiny.moe``'s routed experts)."""
+    from . import tiny
     from .tiny import moe
 
-    return getattr(T, moe.CLASSES[family][0])
+    return tiny.build(family, experts=True) if family in moe.VLM_EXPERT_KEYS else tiny.build(family)
 
 
 def wrap(model, how, rank, world):
@@ -97,9 +97,10 @@ def dtype_case(rank, world, path, case):
     subset.apply(case["patches"])
     from fsdp2_compat.core.swaps import is_ours
 
-    cls = model_class(case["family"])
+    model = build(case["family"])
+    cls = type(model)
     if rank == 0:
-        tiny.build(case["family"]).to(torch.bfloat16).save_pretrained(path)
+        model.to(torch.bfloat16).save_pretrained(path)
     dist.barrier()
     model = cls.from_pretrained(path, dtype=torch.bfloat16).train()
     reference = cls.from_pretrained(path, dtype=torch.bfloat16).train()
