@@ -10,8 +10,8 @@ accelerate's ``Accelerator.prepare`` with ``mixed_precision="no"`` (through the 
 ``trl_scenarios.cpu_fsdp``); GLM-4.5V (glm4v_moe, image batches, ``glm4v`` patch) through accelerate.  Unpatched:
 torch's exact AssertionError at the first forward.  Patched (``moe``; ``glm4v``): every router is its own unit
 computing in fp32 and every gradient and parameter equals the reference.  (GLM-4.5V through the per-layer recipe
-runs too, router fp32, but its vision tower under the bf16 policy sits 0.014 of the largest gradient off a
-reference that does not cast the pixels: the tower's policy, not this fix; not asserted here.)
+runs too, router fp32, but a vision-tower gradient sits 0.014 of the largest off the reference under the bf16
+policy, without one exact: the tower's policy, not this fix, not isolated further; not asserted here.)
 
 Tolerance: both sides do the same arithmetic (bf16 weights, fp32 router) on the same inputs; FSDP2's fp32
 reduce-scatter of two bf16 gradients halved, cast back to bf16, rounds once as autograd's bf16 sum of the two
