@@ -81,8 +81,8 @@ def seam(module, attr):
     from ..core.guards import Drift, NotNeeded
 
     try:
-        source = inspect.getsource(FSDPParamGroup._init_mp_dtypes)
-    except (OSError, TypeError) as exc:
+        source = inspect.getsource(inspect.unwrap(FSDPParamGroup.__dict__["_init_mp_dtypes"]))  # torch's, if wrapped
+    except (OSError, TypeError, KeyError) as exc:
         raise Drift("FSDPParamGroup._init_mp_dtypes has no readable source (%s)" % exc) from None
     if UNIFORM_CHECK not in source:
         raise NotNeeded("this torch's FSDPParamGroup no longer requires one parameter dtype per unit")
