@@ -51,9 +51,9 @@ TRAINER_READS = (F.TRL_HEAD_READS, F.DORA_MAGNITUDE, F.KD_HEAD)
 # accelerate's FSDP2 tail unit: 1.14.0 leaves a tied head in the root unit (every tied model: textlm too),
 # 1.14.0-1.15.0 leave a VLM's head alone without its decoder's norm.
 ACCELERATE = (F.ACCELERATE_TIED_TAIL, F.ACCELERATE_VLM_NORM)
-# What every multimodal patch carries: torch's accumulation over micro-batches that leave a unit unused, and the
-# family's media tower kept in every rank's collectives.
-MULTIMODAL = (F.GRAD_ACCUMULATION, F.MIXED_MEDIA)
+# What every multimodal patch carries: torch's accumulation over micro-batches that leave a unit unused, a tower
+# unit first run frozen (LoRA warm-up, staged unfreezing), and the media tower kept in every rank's collectives.
+MULTIMODAL = (F.GRAD_ACCUMULATION, F.FROZEN_FIRST_FORWARD, F.MIXED_MEDIA)
 
 # Target groups the harness and the tests read (each a join, as the patches' own).
 WRAP_SELECTION = targets_of(*SELECTION)

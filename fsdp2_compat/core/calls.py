@@ -181,19 +181,23 @@ def missing(where, what):
         logging.getLogger("fsdp2_compat").warning(message)
 
 
-def before_each_call(module, attr, what, before):
+def before_each_call(module, attr, what, before, after=None):
     """``{attr: wrapper}``: each call of ``module.attr`` first runs ``before(self)`` (the method's receiver,
-    however it was called), then upstream's code unchanged.  A call without a receiver is ``missing(what)``."""
+    however it was called), then upstream's code unchanged, then ``after(self)``.  A call without a receiver is
+    ``missing(what)``."""
     import wrapt
 
     signature = signature_of(module, attr)
 
-    def _before(wrapped, instance, args, kwargs):
+    def _around(wrapped, instance, args, kwargs):
         receiver = signature.receiver(instance, args, kwargs)
         if receiver is None:
             missing(signature.where, what)
-        else:
+        elif before is not None:
             before(receiver)
-        return wrapped(*args, **kwargs)
+        result = wrapped(*args, **kwargs)
+        if receiver is not None and after is not None:
+            after(receiver)
+        return result
 
-    return {attr: wrapt.FunctionWrapper(lookup(module, attr), _before)}
+    return {attr: wrapt.FunctionWrapper(lookup(module, attr), _around)}

@@ -153,6 +153,18 @@ GRAD_ACCUMULATION = Fix(
     tests=("tests/integrations/test_grad_accumulation.py", "tests/integrations/test_accumulation_declared.py"),
 )
 
+FROZEN_FIRST_FORWARD = Fix(
+    name="frozen-first-forward",
+    what="a FSDP2 unit whose first forward ran frozen takes its dtypes from its parameters (torch 2.14's rule)",
+    seams={"dtypes": _F + "frozen_units:mp_dtypes_seam"},
+    symptom="torch 2.8-2.13, a unit whose first step ran with every parameter frozen (LoRA warm-up, a tower "
+            "unfrozen later), bf16 parameters / fp32 reduce: `RuntimeError: attempting to assign a gradient with "
+            "dtype 'c10::BFloat16' to a tensor with grad_dtype 'Float'`",
+    references=("pytorch issue #186998",),
+    delete_when="when every torch you run is >= 2.14.0 (a frozen unit's dtypes come from its floating parameters)",
+    tests=("tests/integrations/test_lora_vlm.py",),
+)
+
 MIXED_MEDIA = Fix(
     name="mixed-media",
     what="a media tower every rank runs, whatever its micro-batch holds (a zero dummy on a text-only rank; from the "
@@ -213,5 +225,5 @@ MIXED_DTYPES = Fix(
 
 # Every fix, in the order the catalogue reads them.
 FIXES = (WRAP_SELECTION, LAYER_CLASS_LOOKUP, GLM4V_FORWARD, VERL_LM_HEAD, TRL_HEAD_READS, DORA_MAGNITUDE, KD_HEAD,
-         ACCELERATE_TIED_TAIL, ACCELERATE_VLM_NORM, NATIVE_TAIL, GRAD_ACCUMULATION, MIXED_MEDIA, VERL_MEDIA,
-         MOE_EXPERTS, MIXED_DTYPES)
+         ACCELERATE_TIED_TAIL, ACCELERATE_VLM_NORM, NATIVE_TAIL, GRAD_ACCUMULATION, FROZEN_FIRST_FORWARD,
+         MIXED_MEDIA, VERL_MEDIA, MOE_EXPERTS, MIXED_DTYPES)

@@ -1,76 +1,44 @@
 """LLaMA-Factory: the v1 trainer's FSDP2 engine, ``FSDP2Engine.prepare_model``.
 
-Module ``llamafactory.v1.plugins.trainer_plugins.distributed.fsdp2`` (first
-released in 0.9.5; 0.7.1-0.9.3 have no ``v1`` package, 0.9.4 a ``v1`` without
-an FSDP2 engine).  ``hub.py`` imports ``FSDP2Engine`` inside
-``shard_model_fsdp2`` at call time and nothing imports ``prepare_model``,
-``fully_shard`` or ``get_transformer_layer_cls`` by name: there are no
-aliases to rebind.
+Module ``llamafactory.v1.plugins.trainer_plugins.distributed.fsdp2`` (first released in 0.9.5; 0.7.1-0.9.3 have no
+``v1`` package, 0.9.4 one without an FSDP2 engine).  ``hub.py`` imports ``FSDP2Engine`` at call time and nothing
+imports ``prepare_model``, ``fully_shard`` or ``get_transformer_layer_cls`` by name: no aliases to rebind.
 
-Two targets, fingerprinted separately:
+1. **Wrap selection** (``FSDP2Engine.prepare_model``), inline as in verl 0.4-0.7: after an optional LoRA pass (every
+   leaf with a trainable parameter sharded first) it shards every module whose exact type is the one layer class
+   ``get_transformer_layer_cls`` found **and every ``nn.Embedding`` when ``tie_word_embeddings`` is false**, then
+   the root.  GLM4V's vision ``position_embedding`` is then read raw while sharded: ``aten.grid_sampler_2d.default
+   got mixed torch.Tensor and DTensor`` (other auxiliary-embedding families: ``aten.add.Tensor`` /
+   ``aten.copy_.default``).  ``inline_selection.method_seam`` installs ``fixes.inline_selection``'s two wrappers:
+   one on the method publishes the model (its ``model`` parameter, found by name: ``core.calls``), one on the
+   module's ``fully_shard`` drops the auxiliary embeddings (and a module inside one already sharded).  Its mesh
+   (``(mp_replicate, mp_shard)``), mixed precision, offload and reshard arguments are kept; an untied input
+   embedding the config flag hid gets a unit with the root call's arguments.
+2. **Layer-class lookup** (``get_transformer_layer_cls``) reads ``model._no_split_modules`` only when that is a
+   list or tuple; transformers 5.x makes it a set, so the lookup falls back to ``model.model.layers[0]`` and every
+   VLM / audio LM (and every ``PeftModel``) logs "Could not identify Transformer Layer class": the whole model is
+   one root unit.  ``selection.layer_class_seam`` applies upstream's list rule (the first listed class met in
+   ``named_modules()``) to a set; lists, tuples, ``None`` and no match run upstream's code.  That is exactly 0.9.5
+   on transformers 4.x, no more: one layer class, for every VLM here the *vision* block, so the decoder layers stay
+   in the root unit (real-size GLM-4.5V: 98.8 % of the parameters in the root unit with it, 99.4 % without;
+   Qwen2.5-7B text 7.2 % either way).  It fixes ``PeftModel`` text models on 5.x; VLMs get a vision-layer unit.
 
-1. **Wrap selection** (``FSDP2Engine.prepare_model``).  Inline, as in verl
-   0.4-0.7: after an optional LoRA pass (every leaf with a trainable
-   parameter gets ``fully_shard`` first) it shards every module whose exact
-   type is the one layer class ``get_transformer_layer_cls`` found **and every
-   ``nn.Embedding`` when ``getattr(model.config, "tie_word_embeddings",
-   True)`` is false**, through the module-global ``fully_shard``, then the
-   root.  GLM4V's vision ``position_embedding`` is then read raw while
-   sharded: ``aten.grid_sampler_2d.default got mixed torch.Tensor and
-   DTensor`` (the other auxiliary-embedding families: ``aten.add.Tensor`` /
-   ``aten.copy_.default``).  ``inline_selection.method_seam`` installs the two wrappers of
-   ``fsdp2_compat.fixes.inline_selection`` unchanged: one on the method
-   publishes the model (its ``model`` parameter, found by name however the
-   method is called: ``fsdp2_compat.core.calls``), one on the module's ``fully_shard``
-   drops the auxiliary embeddings (and a module inside one already sharded).
-   LLaMA-Factory's own mesh (``(mp_replicate, mp_shard)``), mixed precision,
-   offload and reshard arguments are kept; an untied input embedding the
-   config flag hid gets a unit with the root call's arguments.
-2. **Layer-class lookup** (``get_transformer_layer_cls``).  It reads
-   ``model._no_split_modules`` only when that is a list or tuple; transformers
-   5.x makes the instance attribute a set, so the lookup falls back to
-   ``model.model.layers[0]`` and every VLM / audio LM (and every ``PeftModel``,
-   even of a text model) logs "Could not identify Transformer Layer class" and
-   gets no layer unit at all: the whole model is one root unit.
-   ``selection.layer_class_seam`` applies upstream's list rule (the class of the first
-   listed module met in ``named_modules()``) to a set or frozenset; lists,
-   tuples, ``None`` and no match run upstream's code.  This restores exactly
-   what 0.9.5 does on transformers 4.x, no more: LLaMA-Factory shards **one**
-   layer class, and for every VLM here the first met is the *vision* block,
-   so the decoder layers stay in the root unit.  It does **not** make VLMs
-   memory-efficient under LLaMA-Factory (real-size GLM-4.5V: 98.8 % of the
-   parameters stay in the root unit with it, 99.4 % without; Qwen2.5-7B text
-   is 7.2 % either way).  It is narrow, it fixes ``PeftModel`` text models on
-   5.x, and LoRA/VLM users get a vision-layer unit as on 4.x.
+The crash fix does not need the lookup fix, nor the reverse (with the lookup alone LFM2-VL fails at wrap time:
+the first listed class is ``Siglip2VisionEmbeddings`` and upstream then shards its child ``position_embedding``).
+Every selection patch carries both; ``qwen3vl``, ``qwen2vl`` and ``qwen35`` carry the lookup alone (without it
+Qwen3-VL's vision blocks stay in the root unit and in bf16 its first image forward fails, ``mixed dtype (CPU)`` in
+a vision LayerNorm: ``tests/integrations/test_grad_accumulation.py``).
 
-The crash fix does not need the lookup fix (and the lookup fix alone does
-not fix the crash; with it alone LFM2-VL fails at wrap time, because the
-first listed class is ``Siglip2VisionEmbeddings`` and upstream then shards
-its child ``position_embedding`` after it).  Both are carried by every
-selection patch; the VLM patches without a selection fix (``qwen3vl``,
-``qwen2vl``, ``qwen35``) carry the lookup alone, because without it Qwen3-VL's
-vision blocks stay in the root unit and in bf16 its first image forward fails
-(``mixed dtype (CPU)`` in a vision LayerNorm given the fp32 ``pos_embed``
-output; ``tests/integrations/test_grad_accumulation.py``).
+Upstream: main rewrote ``get_transformer_layer_cls`` in PR #10656 (2026-07-31; every ``.layers`` / ``.blocks``
+class), in no release.  Main still gives every untied ``nn.Embedding`` a unit: the next release needs the
+selection target under a new fingerprint (main's ``prepare_model`` adds ``ignored_params``: check then the
+arguments of an untied input embedding the seam adds).  The rule is SkyRL's fix (issue #2087 / PR #2088).
 
-Upstream: LLaMA-Factory main rewrote ``get_transformer_layer_cls`` in PR
-#10656 ("[v1] Support multimodal data training", 2026-07-31) to return every
-``.layers`` / ``.blocks`` class (the set bug and the one-class limit are gone
-there); it is in no release.  Main still gives every untied ``nn.Embedding``
-its own unit, so the crash is still there and the next release will need
-the selection target again under a new fingerprint (main's ``prepare_model``
-adds ``ignored_params``; check then that an untied input embedding the seam
-adds gets the right arguments).  The rule is SkyRL's fix (issue #2087 / PR
-#2088).
-
-Fails safe: each target is applied only where its function's fingerprint is
-the one below (else refused with the reason, nothing touched);
-``inline_selection.method_seam`` raises ``Drift`` when ``fully_shard`` is not a module global;
-outside a ``prepare_model`` call the ``fully_shard`` wrapper is a
-pass-through.  Delete the selection target when a release selects only the
-layer classes and the untied input embedding, the lookup target when a
-release accepts any iterable ``_no_split_modules`` (PR #10656 released: add
-it as ``fixed_in`` for this target).
+Fails safe: each target applies only on its recorded fingerprint (else refused, nothing touched);
+``inline_selection.method_seam`` raises ``Drift`` when ``fully_shard`` is not a module global; outside a
+``prepare_model`` call the ``fully_shard`` wrapper is a pass-through.  Delete the selection target when a release
+selects only layer classes and the untied input embedding, the lookup target when one accepts any iterable
+``_no_split_modules`` (PR #10656 released: its ``fixed_in``).
 """
 
 from ..core.records import Integration, Target

@@ -1,78 +1,42 @@
 """lmms-engine: the FSDP2 wrap selection (``apply_fsdp2``) and its own VLM forwards (``use_rmpad``).
 
-Two seams, two bug classes.  The selection is below.  The forwards:
-``trainer_args.use_rmpad`` (with ``use_liger_kernel``, lmms-engine's example
-configs) makes its Liger monkey patch (``apply_liger_kernel_to_qwen3_vl`` and
-siblings, ``MONKEY_PATCHER``) assign its own padding-free base-model forward
-over transformers' (``Qwen3VLModel.forward = qwen3_vl_ops.model_forward``;
-Qwen2.5-VL's ``vl_model_forward``, Qwen3-VL-MoE's and Qwen3.5's
-``model_forward``; Qwen3.5's is not covered, see ``MIXED_MEDIA``).  That replaces our mixed-ranks wrapper on the class, and
-lmms-engine's forward runs the vision tower only when the micro-batch has
-``pixel_values`` (no dummy): a text-only rank skips every vision unit's
-collectives while an image rank runs them, NCCL hangs, gloo aborts.  The
-targets below put the same wrapper (``fixes.mixed_media.forward_seam``) on
-lmms-engine's function in its module, before the monkey patch imports it (it
-imports it by name inside the patch function, at call time), so the class ends
-up holding the wrapped function.  Measured (0.1.4, transformers 5.8.0, 2 CPU
-gloo ranks, tiny Qwen3-VL / Qwen3-VL-MoE / Qwen2.5-VL, rank 0 image / rank 1
-text-only and the reverse): unpatched, gloo's ``Received data size doesn't match
-expected size``; patched, every gradient equals the unsharded data-parallel
-reference (``tests/integrations/test_lmms_engine_forwards.py``); Qwen3-VL with
-an image+video rank too (``fixes.media_merge``: one tower call).  Not fixed:
-Qwen2.5-VL's forward runs ``self.visual`` once per media kind, so an image+video
-micro-batch there still runs the tower twice; ``media_merge`` warns.  Request the patch before
-the monkey patch runs (the bootstrap does, at start-up); a request made after
-it still reaches the class (``assigned_to``: the engine replaces the function
-there too, says so in ``status`` and restores it on revert).
+Forwards: ``trainer_args.use_rmpad`` (with ``use_liger_kernel``, its example configs) makes its Liger monkey patch
+(``apply_liger_kernel_to_qwen3_vl`` and siblings, ``MONKEY_PATCHER``) assign its own padding-free base-model forward
+over transformers' (``Qwen3VLModel.forward = qwen3_vl_ops.model_forward``; Qwen2.5-VL's ``vl_model_forward``,
+Qwen3-VL-MoE's and Qwen3.5's ``model_forward``; Qwen3.5's not covered, see ``MIXED_MEDIA``).  That replaces our
+mixed-ranks wrapper on the class and runs the tower only when the micro-batch has ``pixel_values``: a text-only
+rank skips every vision unit's collectives, NCCL hangs, gloo aborts.  The targets put the same wrapper
+(``fixes.mixed_media.forward_seam``) on lmms-engine's function in its module before the monkey patch imports it
+(by name, at call time), so the class holds the wrapped function; a request made after the patch still reaches
+the class (``assigned_to``: replaced there too, said in ``status``, restored on revert).  Measured (0.1.4,
+transformers 5.8.0, 2 CPU gloo ranks, tiny Qwen3-VL / Qwen3-VL-MoE / Qwen2.5-VL, rank 0 image / rank 1 text-only
+and the reverse): unpatched gloo ``Received data size doesn't match expected size``; patched, every gradient equals
+the unsharded data-parallel reference (``tests/integrations/test_lmms_engine_forwards.py``); Qwen3-VL with an
+image+video rank too (``fixes.media_merge``).  Not fixed: Qwen2.5-VL's forward runs ``self.visual`` once per media
+kind (an image+video micro-batch runs the tower twice); ``media_merge`` warns.
 
-Selection:
+Selection: ``lmms_engine.utils.fsdp2_utils.apply_fsdp2(model, fsdp_kwargs, fsdp_transformer_layer_cls_to_wrap=None)``
+selects every layer class **and every ``nn.Embedding`` when ``tie_word_embeddings`` is false**, then calls the
+module-global ``fully_shard`` per selected module and the root (verl 0.4-0.7's loop): GLM-4.1V's vision
+``position_embedding`` gets a unit, its parent reads ``.weight`` raw, ``aten.grid_sampler_2d.default got mixed
+torch.Tensor and DTensor`` (every family ``registry.selection_model_types()`` lists fails as
+``tests/integrations/test_wrap_selection.py`` records).  ``FSDP2SFTTrainer.prepare_model`` imports ``apply_fsdp2``
+by name; the engine rebinds that alias.  Mechanism: AReaL's, SkyRL's and verl 0.4.0-0.7.0's seam
+(``fixes.inline_selection``): ``apply_fsdp2`` is wrapped only to publish the model, and the ``fully_shard`` its
+loop calls drops the auxiliary embeddings (left in the root unit) and nested layer classes; the rest is its own
+code.  Not covered: its ``apply_parallelize`` path (TP/CP/EP, ``MODEL_TO_PARALLEL_METHOD``).  Not changed: with no
+layer classes configured it takes ``model._no_split_modules`` (a set on transformers 5.x) and its own ``assert ...
+[0]`` raises ``TypeError``; its example configs pass a list, as the tests do.
 
-Module ``lmms_engine.utils.fsdp2_utils`` (``lmms_engine/utils/fsdp2_utils.py``):
-``apply_fsdp2(model, fsdp_kwargs, fsdp_transformer_layer_cls_to_wrap=None)``
-selects every module whose class name is a layer class **and every
-``nn.Embedding`` when ``model.config.tie_word_embeddings`` is false**, then
-calls the module-global ``fully_shard`` once per selected module and once for
-the root: verl 0.4-0.7's loop.  GLM-4.1V's vision ``position_embedding`` then
-gets a unit of its own, its parent reads ``.weight`` raw, and the first
-forward fails with ``aten.grid_sampler_2d.default got mixed torch.Tensor and
-DTensor`` (every family ``registry.selection_model_types()`` lists fails the
-way ``tests/integrations/test_wrap_selection.py`` records).  Qwen3-VL calls
-its ``pos_embed`` as a module and trains as released.
-``lmms_engine.train.fsdp2.fsdp2_trainer`` (``FSDP2SFTTrainer.prepare_model``,
-the trainer's only FSDP2 path unless TP/CP/EP ``apply_parallelize`` is on)
-imports ``apply_fsdp2`` by name; the engine rebinds that alias.
+Importing: ``lmms_engine/utils/__init__.py`` imports deepspeed, datasets and librosa; ``fsdp2_utils`` needs only
+torch.  The pinned test set installs lmms-engine ``--no-deps`` and imports the released file with that package
+``__init__`` skipped (the harness's ``frameworks.import_fsdp_utils``).
 
-Mechanism: the same seam as AReaL, SkyRL and verl 0.4.0-0.7.0,
-``fsdp2_compat.fixes.inline_selection``: ``apply_fsdp2`` is wrapped only to
-publish the model, and the ``fully_shard`` its loop calls drops the auxiliary
-embeddings (they stay in the root unit) and nested layer classes; everything
-else (lmms-engine's mesh, mixed precision, ``reshard_after_forward``) is its
-own code.  Its ``apply_parallelize`` path (TP/CP/EP for the model types in
-``MODEL_TO_PARALLEL_METHOD``) shards per model in other modules and is not
-covered here.
-
-Not changed (upstream's, said so): with no layer classes configured it takes
-``model._no_split_modules``, a *set* on transformers 5.x, and its own
-``assert ... [0]`` raises ``TypeError``; lmms-engine's example configs pass
-``transformer_layer_cls_to_wrap`` as a list, which is what the tests do.
-
-Importing: ``lmms_engine/utils/__init__.py`` imports deepspeed, datasets and
-librosa (``train_utils``, ``data_utils``); ``fsdp2_utils`` itself needs only
-torch.  Users have the full install, so the hook fires on the real import.
-The pinned test set installs lmms-engine ``--no-deps`` and imports the
-released ``fsdp2_utils.py`` with that package ``__init__`` skipped
-(the harness's ``frameworks.import_fsdp_utils``): the file under test runs unchanged.
-
-Releases: 0.1.2 and 0.1.4 (the only ones on PyPI) have the same ``apply_fsdp2``
-code (one fingerprint; 0.1.4 proven).  No upstream issue or fix for
-lmms-engine; the rule is SkyRL's fix (issue #2087 / PR #2088).
-
-Fails safe: applied only where ``apply_fsdp2``'s fingerprint is the one below
-and ``fully_shard`` is a module global (else refused with the reason, nothing
-touched); outside an ``apply_fsdp2`` call the ``fully_shard`` wrapper is a
-pass-through.  Delete when lmms-engine selects only layer classes and the
-untied input embedding (the fingerprint then changes and the target refuses
-itself; add the fixed release as ``fixed_in``).
+Releases: 0.1.2 and 0.1.4 (the only ones on PyPI) share ``apply_fsdp2``'s code (0.1.4 proven).  No upstream issue;
+the rule is SkyRL's fix (issue #2087 / PR #2088).  Fails safe: applied only where ``apply_fsdp2``'s fingerprint is
+recorded and ``fully_shard`` is a module global (else refused, nothing touched); outside an ``apply_fsdp2`` call the
+``fully_shard`` wrapper is a pass-through.  Delete when lmms-engine selects only layer classes and the untied input
+embedding (the fingerprint then changes and the target refuses itself).
 """
 
 from ..core.records import Integration, Target

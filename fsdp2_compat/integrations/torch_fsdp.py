@@ -37,7 +37,7 @@ Delete when: every torch you run is >= 2.15.0, or carries both fixes.
 """
 
 from ..core.records import Integration, Target
-from ..fixes import GRAD_ACCUMULATION as FIX, MIXED_DTYPES, MOE_EXPERTS
+from ..fixes import FROZEN_FIRST_FORWARD, GRAD_ACCUMULATION as FIX, MIXED_DTYPES, MOE_EXPERTS
 
 FULLY_SHARD = "torch.distributed.fsdp._fully_shard"
 
@@ -111,6 +111,14 @@ RECOMPUTE_CAST = Target(
             "output_dtype=fp32 policy under autocast): `CheckpointError: torch.utils.checkpoint: Recomputed values "
             "for the following tensors have different metadata than during the forward pass`")
 
+# torch 2.8-2.13: a group with no trainable parameter at lazy init keeps no dtypes (pytorch #186998; 2.6-2.7 took
+# them from every parameter, 2.14.0 from the floating ones).
+FROZEN_DTYPES = Target(
+    dist="torch", module=FULLY_SHARD + "._fsdp_param_group", attr="FSDPParamGroup._init_mp_dtypes",
+    versions="==2.13.0", fingerprints={"2.8.0-2.9.1": "7b15e29670a6823f", "2.10.0-2.13.0": "09ca147e65651239"},
+    fix=FROZEN_FIRST_FORWARD, what="FSDP2 unit first run frozen keeps no mixed-precision dtypes", fixed_in=">=2.14.0",
+    declared={"<2.6.0": _NO_MODULE, ">=2.6.0,<2.8.0": "the dtypes come from every parameter, trainable or not"})
+
 # Every release 2.6.0-2.15.0 read: fully_shard(module or list, *, mp_policy=..., ...) and _init_mp_dtypes' uniform
 # dtype assertion (fixes.mixed_dtypes) in all; the fingerprints are fully_shard's own code.
 MIXED_DTYPE_UNITS = Target(
@@ -120,4 +128,4 @@ MIXED_DTYPE_UNITS = Target(
     fix=MIXED_DTYPES, families=("glm4_moe", "glm4v_moe", "deepseek_v2", "deepseek_v3"),
     what="FSDP2 unit mixing fp32-kept routers with bf16 weights", declared={"<2.6.0": _NO_MODULE})
 
-TARGETS = GRAD_ACCUMULATION + (RECOMPUTE_CAST, MIXED_DTYPE_UNITS)
+TARGETS = GRAD_ACCUMULATION + (RECOMPUTE_CAST, FROZEN_DTYPES, MIXED_DTYPE_UNITS)

@@ -376,6 +376,7 @@ def train_fused(rank, world, family, patches, steps=2, mesh_shape=None, bf16=Fal
         "loss_err": 0.0,
         "grad_err": 0.0,
         "worst_grad": None,
+        "grads_checked": 0,  # reference gradients compared (the trainable parameters': LoRA's adapters alone)
         "lm_head_grad_err": 0.0,
         "grad_rel_to_max": 0.0,
         "worst_rel_to_max": None,

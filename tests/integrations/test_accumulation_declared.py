@@ -57,7 +57,8 @@ def test_status_after_import_says_what_the_run_below_shows(warm_python):
         fsdp2_compat.revert()
         """
     )
-    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    # the accumulation fix's rows (the patch carries other torch fixes: frozen_units has its own proof)
+    rows = [r for r in json.loads(proc.stdout.strip().splitlines()[-1]) if r[0] in {t.attr for t in SEAMS}]
     assert sorted(a for a, _, _ in rows) == sorted(t.attr for t in SEAMS), rows
     for attr, outcome, detail in rows:
         if NOT_NEEDED:

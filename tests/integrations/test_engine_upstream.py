@@ -329,8 +329,9 @@ def test_status_shows_qwen3vl_applied_on_the_installed_verl(warm_python):
         "DataParallelPPOActor._forward_micro_batch": callers,
         "FSDPEngineWithLMHead.forward_step": callers,
     }
-    # and torch FSDP2's gradient-accumulation fix, which every multimodal patch carries
+    # and torch FSDP2's gradient-accumulation and frozen-unit fixes, which every multimodal patch carries
     assert {r["attr"]: r["outcome"] for r in rows if r["dist"] == "torch"} == {
         "FSDPParam.to_accumulated_grad_if_needed": engine.APPLIED,
         "FSDPParamGroup.post_backward": engine.APPLIED,
+        "FSDPParamGroup._init_mp_dtypes": engine.APPLIED,
     }

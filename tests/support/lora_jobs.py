@@ -57,10 +57,40 @@ def moe(rank, world, framework, family, patches, *args, **kwargs):
     return moe_scenarios.train_moe(rank, world, framework, family, patches, *args, **kwargs)
 
 
+def fused(rank, world, family, patches):
+    """Class 2: verl's fused forward reads ``lm_head.weight`` raw (``scenarios.train_fused``), with LoRA injected
+    in place after verl's monkey patch (verl's own order: ``apply_monkey_patch``, then ``get_peft_model``);
+    ``lm_head`` frozen with the rest of the base."""
+    import peft
+    import torch
+    import verl.models.transformers.monkey_patch as monkey_patch
+
+    from fsdp2_compat_harness.scenarios import train_fused
+
+    original = monkey_patch.apply_monkey_patch
+
+    def apply_then_lora(model, *args, **kwargs):
+        original(model, *args, **kwargs)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            peft.inject_adapter_in_model(peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                         init_lora_weights="gaussian"), model)
+        for name, param in model.named_parameters():
+            param.requires_grad_("lora_" in name)
+
+    monkey_patch.apply_monkey_patch = apply_then_lora  # train_fused imports it at its call
+    result = train_fused(rank, world, family, patches)
+    result.pop("kernel_weights", None)
+    return result
+
+
 def unfreeze(rank, world, framework, patches):
     """pytorch #186998: bf16 parameters / fp32 reduce; a LoRA warm-up step with the tower frozen (its units'
-    first forward frozen), then the tower unfrozen.  The error text of step 1, or None, and the vision
-    gradients' dtypes."""
+    first forward frozen), then the tower unfrozen.  The error text of step 1, or None; the vision gradients'
+    dtypes; their worst error relative to the largest, against the unsharded fp32 model's gradients of the
+    data-parallel average of step 1's batches (no optimizer step: the parameters are step 0's)."""
+    import copy
+
     import torch
 
     import fsdp2_compat
@@ -70,8 +100,9 @@ def unfreeze(rank, world, framework, patches):
     if patches:
         fsdp2_compat.apply(patches)
     model = _lora(tiny.build("qwen2_5_vl"), ("q_proj", "v_proj"))
+    reference = copy.deepcopy(model)
     moe_scenarios.shard(framework, model, world, "bf16")
-    out = {"error": None, "vision_grad_dtypes": []}
+    out = {"error": None, "vision_grad_dtypes": [], "vision_rel_to_max": None}
     for step in range(2):
         if step == 1:
             for name, param in model.named_parameters():
@@ -81,6 +112,14 @@ def unfreeze(rank, world, framework, patches):
         except Exception as exc:  # noqa: BLE001 - the upstream error, reported
             out["error"] = "step %d: %s: %s" % (step, type(exc).__name__, first_line(exc))
             return out
-    out["vision_grad_dtypes"] = sorted({str(p.grad.dtype) for n, p in model.named_parameters()
-                                        if ".visual." in n and p.grad is not None})
+    for name, param in reference.named_parameters():
+        param.requires_grad_(".visual." in name)
+    for r in range(world):  # FSDP2 averages the ranks' gradients: the reference's is the mean of theirs
+        (reference(**tiny.make_batch("qwen2_5_vl", reference, seed=1 + world + r)).loss / world).backward()
+    want = {n: p.grad for n, p in reference.named_parameters() if ".visual." in n}
+    got = {n: p.grad for n, p in model.named_parameters() if ".visual." in n and p.grad is not None}
+    out["vision_grad_dtypes"] = sorted({str(g.dtype) for g in got.values()})
+    assert got and set(got) == set(want), (sorted(got)[:3], sorted(want)[:3])
+    worst = max(want[n].abs().max().item() for n in want)
+    out["vision_rel_to_max"] = max((got[n].full_tensor().float() - want[n]).abs().max().item() for n in got) / worst
     return out
