@@ -26,7 +26,7 @@ STATS = {"islands": []}  # "Class.sub (dtype)" of every island sharded (tests re
 
 def _pending_trainable(modules, ignored):
     """Trainable parameters of ``modules`` that no unit manages yet (not ``ignored``), each once."""
-    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fully_shard import FSDPModule
 
     managed = {id(p) for m in modules for sub in m.modules() if sub not in modules and isinstance(sub, FSDPModule)
                for p in sub.parameters()}
@@ -75,8 +75,9 @@ def seam(module, attr):
     import inspect
 
     import wrapt
-    from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    MixedPrecisionPolicy = module.__dict__.get("MixedPrecisionPolicy")  # torch.distributed.fsdp may be mid-import
 
     from ..core.guards import Drift, NotNeeded
 
@@ -84,6 +85,8 @@ def seam(module, attr):
         source = inspect.getsource(inspect.unwrap(FSDPParamGroup.__dict__["_init_mp_dtypes"]))  # torch's, if wrapped
     except (OSError, TypeError, KeyError) as exc:
         raise Drift("FSDPParamGroup._init_mp_dtypes has no readable source (%s)" % exc) from None
+    if MixedPrecisionPolicy is None:
+        raise Drift("%s has no MixedPrecisionPolicy" % module.__name__)
     if UNIFORM_CHECK not in source:
         raise NotNeeded("this torch's FSDPParamGroup no longer requires one parameter dtype per unit")
 

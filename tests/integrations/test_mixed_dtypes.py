@@ -137,3 +137,18 @@ def test_the_policy_param_dtype_decides_which_dtype_stays_in_the_call():
     layer.gate = torch.nn.Linear(64, 64)  # fp32, the larger
     assert [n for n, _ in mixed_dtypes.plan([layer], param_dtype=torch.bfloat16)] == ["Module.gate"]
     assert [n for n, _ in mixed_dtypes.plan([layer])] == ["Module.attn"]  # no policy dtype: the larger stays
+
+
+def test_applied_at_start_up_while_torch_distributed_fsdp_is_still_importing():
+    """The way users enable it: the patch requested first, then torch's FSDP2 imported.  The target's hook fires
+    inside ``import torch.distributed.fsdp`` (the package half-initialised); every name ends up the patched one."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import fsdp2_compat.auto\nimport torch.distributed.fsdp as f\n"
+            "from torch.distributed.fsdp._fully_shard import _fully_shard as impl\n"
+            "from fsdp2_compat.core.swaps import is_ours\nprint(is_ours(f.fully_shard), is_ours(impl.fully_shard))\n")
+    env = dict(os.environ, FSDP2_COMPAT_PATCHES="moe")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.split() == ["True", "True"], (proc.stdout, proc.stderr[-2000:])
