@@ -79,7 +79,7 @@ PATCHES = (
         # verl serves GLM-4.5V / GLM-4.6V (glm4v_moe) through dense_common's fused forward.
         # verl's own GLM-4.1V forward runs on the transformers verl admits only with GLM4V_FORWARD.
         fixes=SELECTION + (F.GLM4V_FORWARD, F.VERL_LM_HEAD) + TRAINER_READS + ACCELERATE + MULTIMODAL
-        + (F.MOE_EXPERTS,),
+        + (F.MOE_EXPERTS, F.MIXED_DTYPES),
     ),
     _patch(
         name="qwen3vl",
@@ -122,7 +122,7 @@ PATCHES = (
         "Qwen3.5-MoE keep 3-D experts in every release (nothing to fix). Also carries textlm's targets (verl's fused "
         "text forward, TRL's reads, accelerate 1.14.0's tied tail)",
         fixes=(F.MOE_EXPERTS, F.GRAD_ACCUMULATION, F.VERL_LM_HEAD) + TRAINER_READS + (F.ACCELERATE_TIED_TAIL,
-                                                                                 F.NATIVE_TAIL),
+                                                                                 F.NATIVE_TAIL, F.MIXED_DTYPES),
     ),
     _selection_patch(
         "lfm2vl",

@@ -208,8 +208,23 @@ MOE_EXPERTS = Fix(
     tests=("tests/integrations/test_moe_experts.py", "tests/integrations/test_moe_3d_experts.py"),
 )
 
+MIXED_DTYPES = Fix(
+    name="mixed-dtypes",
+    what="an FSDP2 unit mixing parameter dtypes: each fp32-kept module (a MoE router) gets a unit of its own",
+    seams={"fully_shard": _F + "mixed_dtypes:seam"},
+    symptom="transformers >= 5.24.0 MoE routers kept fp32 in a bf16 model (GLM-4.5/4.6, GLM-4.5V, DeepSeek-V2/V3 "
+            "loaded with dtype=bf16), FSDP2 per-layer units (torch's recipe; accelerate with mixed_precision=\"no\"):"
+            " `AssertionError: FSDP expects uniform original parameter dtype but got {torch.bfloat16, torch.float32}`"
+            " at the first forward",
+    references=("transformers 5.24.0 _keep_in_fp32_modules_strict (gate.weight)", "accelerate PR #3985",
+                "NeMo AutoModel #1677"),
+    delete_when="when torch's FSDP2 accepts mixed parameter dtypes in one unit, or no model you train keeps a "
+                "trainable module in another dtype (transformers < 5.24.0 keeps no MoE router in fp32)",
+    scenarios=("fp32 routers, 2 ranks",),
+    tests=("tests/integrations/test_mixed_dtypes.py",),
+)
+
 # Every fix, in the order the catalogue reads them.
 FIXES = (WRAP_SELECTION, LAYER_CLASS_LOOKUP, GLM4V_FORWARD, VERL_LM_HEAD, TRL_HEAD_READS, DORA_MAGNITUDE, KD_HEAD,
          ACCELERATE_TIED_TAIL, ACCELERATE_VLM_NORM, NATIVE_TAIL, GRAD_ACCUMULATION, FROZEN_FIRST_FORWARD,
-         MIXED_MEDIA, VERL_MEDIA,
-         MOE_EXPERTS)
+         MIXED_MEDIA, VERL_MEDIA, MOE_EXPERTS, MIXED_DTYPES)

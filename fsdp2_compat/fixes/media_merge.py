@@ -1,53 +1,39 @@
 """Images and videos in one micro-batch: one tower call, so every rank runs the tower the same number of times.
 
-The bug (issue #20's second half, the same collective mismatch as a text-only
-rank's): the Qwen forwards run the vision tower once for the images
-(``get_image_features``) and again for the videos (``get_video_features``).
-A rank whose micro-batch has both all-gathers every vision unit twice (and
-reduce-scatters twice in backward); a rank with only images, only videos, or
-text only (``mixed_media``'s dummy) does it once.  NCCL hangs, gloo aborts.
+The bug (issue #20's second half, the same collective mismatch as a text-only rank's): the Qwen forwards run the
+vision tower once for the images (``get_image_features``) and again for the videos (``get_video_features``). A rank
+whose micro-batch has both all-gathers every vision unit twice (and reduce-scatters twice in backward); a rank with
+only images, only videos, or text only (``mixed_media``'s dummy) does it once.  NCCL hangs, gloo aborts.
 
-The fix: on a micro-batch with both kinds, the first of the two feature calls
-the forward makes runs the model's own ``get_image_features`` once, on the
-images' and the videos' patches concatenated (grids concatenated in the same
-order), and each call gets its own part of that output.  Every rank with media
-then runs the tower exactly once per forward, as a text-only rank runs its one
-dummy.  It costs nothing extra (one tower call instead of two).
+The fix: on a micro-batch with both kinds, the first of the two feature calls the forward makes runs the model's own
+``get_image_features`` once, on the images' and the videos' patches concatenated (grids concatenated in the same
+order), and each call gets its own part of that output.  Every rank with media then runs the tower exactly once per
+forward, as a text-only rank runs its one dummy.  It costs nothing extra (one tower call instead of two).
 
-Why the parts equal two separate calls: these towers take a list of ``[t, h,
-w]`` grid items and treat each item on its own: attention is block-diagonal
-per frame or window (``cu_seqlens``), rotary and interpolated position
-embeddings are computed per item, the patch merger works within an item, and
-a video goes through exactly the code an image does (Qwen3-VL and Qwen3.5's
-``get_video_features`` *is* ``get_image_features``; Qwen2-VL and Qwen2.5-VL's
-differs only in its argument names).  Only matmul blocking over more rows can
-differ, at the last bit.  The output is split back by the items' sizes,
-whatever structure the release returns (``split``): a tuple of per-item
-tensors (4.57; and Qwen3-VL's deepstack features from 5.x), whole tensors of
-merged tokens or of patches (``pooler_output`` before the per-item split,
-``last_hidden_state``, 4.57's Qwen3-VL deepstack list), ``ModelOutput``s and
-tuples of those.  A structure it cannot split raises ``MergeError`` naming
-the field: a clear crash instead of a hang.
+Why the parts equal two separate calls: these towers take a list of ``[t, h, w]`` grid items and treat each item on
+its own: attention is block-diagonal per frame or window (``cu_seqlens``), rotary and interpolated position embeddings
+are computed per item, the patch merger works within an item, and a video goes through exactly the code an image does
+(Qwen3-VL and Qwen3.5's ``get_video_features`` *is* ``get_image_features``; Qwen2-VL and Qwen2.5-VL's differs only in
+its argument names).  Only matmul blocking over more rows can differ, at the last bit.  The output is split back by
+the items' sizes, whatever structure the release returns (``split``): a tuple of per-item tensors (4.57; and
+Qwen3-VL's deepstack features from 5.x), whole tensors of merged tokens or of patches (``pooler_output`` before the
+per-item split, ``last_hidden_state``, 4.57's Qwen3-VL deepstack list), ``ModelOutput``s and tuples of those.  A
+structure it cannot split raises ``MergeError`` naming the field: a clear crash instead of a hang.
 
-Which towers: ``media_towers.Tower.merge`` (the Qwen families of
-``PATCH_GRID``, and Cosmos-3 Edge).  The GLM-4.1V/4.5V/4.6V forwards cannot take an image and a
-video in one micro-batch at all (every release's ``get_placeholder_mask``
-marks video tokens with the image token id, so the image features never match
-their tokens): a rank has one kind or the other there, one tower call each,
-nothing to merge.
+Which towers: ``media_towers.Tower.merge`` (the Qwen families of ``PATCH_GRID``, and Cosmos-3 Edge).  The
+GLM-4.1V/4.5V/4.6V forwards cannot take an image and a video in one micro-batch at all (every release's
+``get_placeholder_mask`` marks video tokens with the image token id, so the image features never match their tokens):
+a rank has one kind or the other there, one tower call each, nothing to merge.
 
-Fails safe: the merge runs only where the class's ``get_video_features`` is
-``get_image_features`` (it calls it, or its code is the same once the video
-names read as the image names: ``video_path_is_image_path``, read from the
-installed release's source), so a release whose video path differs is never
-merged blind; the overrides live on the model instance for one forward call and
-are removed after it; a call whose pixels are not the forward's own (a caller
-that transforms them first) is passed to transformers' function unchanged.
-Each refusal warns once per class: the tower then runs twice there, as
-released.
+Fails safe: the merge runs only where the class's ``get_video_features`` is ``get_image_features`` (it calls it, or
+its code is the same once the video names read as the image names: ``video_path_is_image_path``, read from the
+installed release's source), so a release whose video path differs is never merged blind; the overrides live on the
+model instance for one forward call and are removed after it; a call whose pixels are not the forward's own (a caller
+that transforms them first) is passed to transformers' function unchanged. Each refusal warns once per class: the
+tower then runs twice there, as released.
 
-Delete with ``mixed_media``: when transformers runs one tower call per
-micro-batch, or FSDP2 tolerates a unit one rank runs more often.
+Delete with ``mixed_media``: when transformers runs one tower call per micro-batch, or FSDP2 tolerates a unit one rank
+runs more often.
 """
 
 import contextlib

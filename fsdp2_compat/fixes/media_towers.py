@@ -1,24 +1,18 @@
 """The media towers the mixed-ranks fix knows (``fixes.mixed_media``): one declarative entry per tower kind.
 
-Each ``Tower`` says, for the base model class whose ``forward`` is wrapped
-(``integrations.transformers_media``): the attribute that holds the tower,
-the forward's arguments that carry media (any of them given: the tower runs,
-no dummy), the token embedding module the forward calls first (the fix hooks
-its output), what the dummy needs from the config (``check``: None or why not),
-and how to run the model's *own* feature function (Qwen2-Audio has none: its
-tower and projector, as its forward runs them) on the smallest input it
-accepts (``run(model, device)``: its output, whose floating tensors the fix
-multiplies by 0).  The dummy must go through every parameterised module the
-real media path reaches (tower and projector), so every FSDP2 unit sees the
-same collectives as on a media rank; its values do not matter (zeros).
-Optional fields cover forwards that run the tower more than once (``pad``,
-``merge``), before the embedding (``first``), or need one call per micro-batch
-of a unit they call per image (``around``).
+Each ``Tower`` says, for the base model class whose ``forward`` is wrapped (``integrations.transformers_media``): the
+attribute that holds the tower, the forward's arguments that carry media (any of them given: the tower runs, no
+dummy), the token embedding module the forward calls first (the fix hooks its output), what the dummy needs from the
+config (``check``: None or why not), and how to run the model's *own* feature function (Qwen2-Audio has none: its
+tower and projector, as its forward runs them) on the smallest input it accepts (``run(model, device)``: its output,
+whose floating tensors the fix multiplies by 0).  The dummy must go through every parameterised module the real media
+path reaches (tower and projector), so every FSDP2 unit sees the same collectives as on a media rank; its values do
+not matter (zeros). Optional fields cover forwards that run the tower more than once (``pad``, ``merge``), before the
+embedding (``first``), or need one call per micro-batch of a unit they call per image (``around``).
 
-``TOWERS`` maps the base model class name to its entry; a class without one
-gets ``PATCH_GRID`` (the Qwen/GLM families, where the fix started).  A model
-whose entry's tower attribute is missing, or whose config lacks what the dummy
-needs, is left alone by the fix, with a warning naming why (``reason``).
+``TOWERS`` maps the base model class name to its entry; a class without one gets ``PATCH_GRID`` (the Qwen/GLM
+families, where the fix started).  A model whose entry's tower attribute is missing, or whose config lacks what the
+dummy needs, is left alone by the fix, with a warning naming why (``reason``).
 """
 
 from typing import Callable, NamedTuple, Optional, Tuple

@@ -37,7 +37,7 @@ Delete when: every torch you run is >= 2.15.0, or carries both fixes.
 """
 
 from ..core.records import Integration, Target
-from ..fixes import FROZEN_FIRST_FORWARD, GRAD_ACCUMULATION as FIX, MOE_EXPERTS
+from ..fixes import FROZEN_FIRST_FORWARD, GRAD_ACCUMULATION as FIX, MIXED_DTYPES, MOE_EXPERTS
 
 FULLY_SHARD = "torch.distributed.fsdp._fully_shard"
 
@@ -119,4 +119,13 @@ FROZEN_DTYPES = Target(
     fix=FROZEN_FIRST_FORWARD, what="FSDP2 unit first run frozen keeps no mixed-precision dtypes", fixed_in=">=2.14.0",
     declared={"<2.6.0": _NO_MODULE, ">=2.6.0,<2.8.0": "the dtypes come from every parameter, trainable or not"})
 
-TARGETS = GRAD_ACCUMULATION + (RECOMPUTE_CAST, FROZEN_DTYPES)
+# Every release 2.6.0-2.15.0 read: fully_shard(module or list, *, mp_policy=..., ...) and _init_mp_dtypes' uniform
+# dtype assertion (fixes.mixed_dtypes) in all; the fingerprints are fully_shard's own code.
+MIXED_DTYPE_UNITS = Target(
+    dist="torch", module=FULLY_SHARD + "._fully_shard", attr="fully_shard", versions="==2.15.0",
+    fingerprints={"2.6.0": "1977f8945bd52dac", "2.7.0-2.7.1": "03ff99ef83ad34c9", "2.8.0-2.9.1": "14825c5fcbe61ca3",
+                  "2.10.0": "9ee9d8cc70ef62c9", "2.11.0": "45d48eae9c5b15b9", "2.12.0-2.15.0": "e23014d5048ac974"},
+    fix=MIXED_DTYPES, families=("glm4_moe", "glm4v_moe", "deepseek_v2", "deepseek_v3"),
+    what="FSDP2 unit mixing fp32-kept routers with bf16 weights", declared={"<2.6.0": _NO_MODULE})
+
+TARGETS = GRAD_ACCUMULATION + (RECOMPUTE_CAST, FROZEN_DTYPES, MIXED_DTYPE_UNITS)

@@ -1,31 +1,27 @@
 """verl: where its FSDP2 wrap selection lives, release by release.
 
 Module ``verl.utils.fsdp_utils``:
-- 0.4.0-0.7.0 select inline in ``apply_fsdp2`` (every ``nn.Embedding`` when
-  ``model.config.tie_word_embeddings`` is false) -> the ``fully_shard`` seam of
-  ``fsdp2_compat.fixes.inline_selection``;
-- 0.7.1-0.9.1 call ``_select_fsdp2_wrap_targets(model, layer_cls)`` by global
-  name from ``apply_fsdp2`` -> replaced by ``fsdp2_compat.fixes.selection.select_verl``.
+- 0.4.0-0.7.0 select inline in ``apply_fsdp2`` (every ``nn.Embedding`` when ``model.config.tie_word_embeddings`` is
+  false) -> the ``fully_shard`` seam of ``fsdp2_compat.fixes.inline_selection``;
+- 0.7.1-0.9.1 call ``_select_fsdp2_wrap_targets(model, layer_cls)`` by global name from ``apply_fsdp2`` -> replaced by
+  ``fsdp2_compat.fixes.selection.select_verl``.
 
-Callers import ``apply_fsdp2`` by name (``verl.workers.fsdp_workers``,
-``verl.trainer.fsdp_sft_trainer``, ``verl.workers.engine.fsdp.*``); the engine
-rebinds those aliases.
+Callers import ``apply_fsdp2`` by name (``verl.workers.fsdp_workers``, ``verl.trainer.fsdp_sft_trainer``,
+``verl.workers.engine.fsdp.*``); the engine rebinds those aliases.
 
-To support a new release: widen ``versions`` and, if the function changed,
-add ``"<release>": "<fingerprint>"`` (``fsdp2-compat fingerprint FILE NAME``).
+To support a new release: widen ``versions`` and, if the function changed, add ``"<release>": "<fingerprint>"``
+(``fsdp2-compat fingerprint FILE NAME``).
 
-Module ``verl.models.transformers.glm4v`` (0.6.0+): verl's GLM-4.1V forward, whose
-``_get_input_embeds`` / ``process_position_ids`` predate transformers 5.0's vision output
-object / postdate 4.x's 3-row rotary ids -> ``fsdp2_compat.fixes.glm4v_forward``.
+Module ``verl.models.transformers.glm4v`` (0.6.0+): verl's GLM-4.1V forward, whose ``_get_input_embeds`` /
+``process_position_ids`` predate transformers 5.0's vision output object / postdate 4.x's 3-row rotary ids ->
+``fsdp2_compat.fixes.glm4v_forward``.
 
-Upstream: SkyRL issue #2087 / PR #2088 (the selection rule), verl issue #4756 /
-PR #6659 (lm_head reads), verl issues #4095 / #6814 (GLM-4.1V forward failures).
-Fails safe (``fsdp2_compat.core.policy``): the code decides, not the version.
-Code whose fingerprint is not listed is refused, with a warning naming the
-patch, the release and what to do, and left untouched; a release outside
-``versions`` whose code is a recorded release's is patched, and ``status``
-says it is outside the proven range (``FSDP2_COMPAT_STRICT=proven`` refuses it).
-Delete a target when ``fixed_in`` would cover every release you run.
+Upstream: SkyRL issue #2087 / PR #2088 (the selection rule), verl issue #4756 / PR #6659 (lm_head reads), verl issues
+#4095 / #6814 (GLM-4.1V forward failures). Fails safe (``fsdp2_compat.core.policy``): the code decides, not the
+version. Code whose fingerprint is not listed is refused, with a warning naming the patch, the release and what to do,
+and left untouched; a release outside ``versions`` whose code is a recorded release's is patched, and ``status`` says
+it is outside the proven range (``FSDP2_COMPAT_STRICT=proven`` refuses it). Delete a target when ``fixed_in`` would
+cover every release you run.
 """
 
 from ..core.records import Integration, Target
@@ -63,16 +59,9 @@ WRAP_SELECTION_INLINE = Target(
 )
 
 WRAP_SELECTION = Target(
-    dist="verl",
-    module=FSDP_UTILS,
-    attr="_select_fsdp2_wrap_targets",
-    versions=">=0.7.1,<=0.9.1",
-    fingerprints={"0.7.1-0.9.1": "fc0a593bafb6050f"},
-    fix=SELECTION,
-    via="selection function",
-    what="FSDP2 wrap selection",
-    diff="wrap-selection",
-    layout="wrap selection",
+    dist="verl", module=FSDP_UTILS, attr="_select_fsdp2_wrap_targets", versions=">=0.7.1,<=0.9.1",
+    fingerprints={"0.7.1-0.9.1": "fc0a593bafb6050f"}, fix=SELECTION, via="selection function",
+    what="FSDP2 wrap selection", diff="wrap-selection", layout="wrap selection",
     declared={"<0.7.1": "the selection is inline in apply_fsdp2 (the WRAP_SELECTION_INLINE target)"},
 )
 
@@ -88,29 +77,16 @@ _NO_GLM4V = {"<0.6.0": "no verl/models/transformers/glm4v.py"}
 
 GLM4V_FORWARD = (
     Target(
-        dist="verl",
-        module=GLM4V_MODULE,
-        attr="_get_input_embeds",
-        versions="==0.9.1",
-        fingerprints={"0.6.0-0.7.1": "f2e8ade7673659c8", "0.8.0.dev0-0.9.1": "cddf133591ef1fd9"},
-        fix=GLM4V_FIX,
-        via="vision output",
-        families=("glm4v",),
-        what="GLM-4.1V forward (vision output object, transformers >= 5.0.0)",
-        diff="glm4v-forward",
+        dist="verl", module=GLM4V_MODULE, attr="_get_input_embeds", versions="==0.9.1",
+        fingerprints={"0.6.0-0.7.1": "f2e8ade7673659c8", "0.8.0.dev0-0.9.1": "cddf133591ef1fd9"}, fix=GLM4V_FIX,
+        via="vision output", families=("glm4v",),
+        what="GLM-4.1V forward (vision output object, transformers >= 5.0.0)", diff="glm4v-forward",
         declared=_NO_GLM4V,
     ),
     Target(
-        dist="verl",
-        module=GLM4V_MODULE,
-        attr="process_position_ids",
-        versions=">=0.7.0,<=0.8.0",
-        fingerprints={"0.6.0-0.9.1": "bccfd50e9f69d2fe"},
-        fix=GLM4V_FIX,
-        via="position ids",
-        families=("glm4v",),
-        what="GLM-4.1V forward (4-row position ids, transformers < 5.0.0rc0)",
-        diff="glm4v-forward",
+        dist="verl", module=GLM4V_MODULE, attr="process_position_ids", versions=">=0.7.0,<=0.8.0",
+        fingerprints={"0.6.0-0.9.1": "bccfd50e9f69d2fe"}, fix=GLM4V_FIX, via="position ids", families=("glm4v",),
+        what="GLM-4.1V forward (4-row position ids, transformers < 5.0.0rc0)", diff="glm4v-forward",
         declared=_NO_GLM4V,
     ),
 )
@@ -143,14 +119,9 @@ QWEN2_VL_FORWARD = (
 )
 QWEN3_VL_FORWARD = (
     Target(
-        dist="verl",
-        module="verl.models.transformers.qwen3_vl",
-        attr="_get_input_embeds",
-        versions=">=0.7.0,<=0.9.1",
-        fingerprints={"0.6.0-0.7.1": "bb55f0bd8adf8d38", "0.8.0.dev0-0.9.1": "c9f220af46137281"},
-        fix=VERL_MEDIA,
-        via="qwen3_vl",
-        families=("qwen3_vl", "qwen3_vl_moe"),
+        dist="verl", module="verl.models.transformers.qwen3_vl", attr="_get_input_embeds", versions=">=0.7.0,<=0.9.1",
+        fingerprints={"0.6.0-0.7.1": "bb55f0bd8adf8d38", "0.8.0.dev0-0.9.1": "c9f220af46137281"}, fix=VERL_MEDIA,
+        via="qwen3_vl", families=("qwen3_vl", "qwen3_vl_moe"),
         what="Qwen3-VL forward (images and videos: one tower call)",
         declared={"<0.6.0": "no verl.models.transformers.qwen3_vl module"},
     ),
@@ -193,17 +164,10 @@ _FAMILIES = {
 
 def _fused(model_module, backend, versions, fingerprints):
     return Target(
-        dist="verl",
-        module="verl.models.transformers." + model_module,
-        attr="forward_with_%s_backend" % backend,
-        versions=versions,
-        fingerprints=fingerprints,
-        fix=VERL_LM_HEAD,
-        via="reader",
-        families=_FAMILIES[model_module],
-        what="fused forward reads lm_head.weight (%s backend)" % backend,
-        diff="%s-lm-head" % model_module,
-        declared=_FUSED_DECLARED[model_module],
+        dist="verl", module="verl.models.transformers." + model_module, attr="forward_with_%s_backend" % backend,
+        versions=versions, fingerprints=fingerprints, fix=VERL_LM_HEAD, via="reader",
+        families=_FAMILIES[model_module], what="fused forward reads lm_head.weight (%s backend)" % backend,
+        diff="%s-lm-head" % model_module, declared=_FUSED_DECLARED[model_module],
     )
 
 
@@ -212,41 +176,30 @@ def _fused(model_module, backend, versions, fingerprints):
 
 QWEN3_VL_FUSED = (
     _fused("qwen3_vl", "torch", ">=0.6.0,<=0.9.1", {
-        "0.6.0-0.7.1": "e6ea5557d4a41547",
-        "0.8.0.dev0-0.8.0": "ee4406373c544b20",
-        "0.9.0": "c4f71fadc8932585",
+        "0.6.0-0.7.1": "e6ea5557d4a41547", "0.8.0.dev0-0.8.0": "ee4406373c544b20", "0.9.0": "c4f71fadc8932585",
         "0.9.1": "52f8d02f0867bac8",
     }),
     _fused("qwen3_vl", "triton", ">=0.6.0,<=0.9.1", {
-        "0.6.0-0.7.1": "d0bb3c5ea475719e",
-        "0.8.0.dev0-0.9.1": "df840afb97131c82",
+        "0.6.0-0.7.1": "d0bb3c5ea475719e", "0.8.0.dev0-0.9.1": "df840afb97131c82",
     }),
 )
 
 GLM4V_FUSED = (
     _fused("glm4v", "torch", ">=0.6.0,<=0.9.1", {
-        "0.6.0-0.7.1": "603f0ce55900fffa",
-        "0.8.0.dev0-0.9.0": "f488ad4f247f515f",
-        "0.9.1": "bb84718af5f176ca",
+        "0.6.0-0.7.1": "603f0ce55900fffa", "0.8.0.dev0-0.9.0": "f488ad4f247f515f", "0.9.1": "bb84718af5f176ca",
     }),
     _fused("glm4v", "triton", ">=0.6.0,<=0.9.1", {
-        "0.6.0-0.7.1": "0b726f2f4793bbb6",
-        "0.8.0.dev0-0.9.1": "dcef062f8a09c0a1",
+        "0.6.0-0.7.1": "0b726f2f4793bbb6", "0.8.0.dev0-0.9.1": "dcef062f8a09c0a1",
     }),
 )
 
 QWEN2_VL_FUSED = (
     _fused("qwen2_vl", "torch", ">=0.4.1,<=0.9.1", {
-        "0.4.1": "1c7d5a1aacf6e489",
-        "0.5.0": "f7638957d8603682",
-        "0.6.0-0.7.1": "50c009c81d7a3b5d",
-        "0.8.0.dev0-0.9.0": "038571ae2e42eb92",
-        "0.9.1": "5c5de580e35d5f03",
+        "0.4.1": "1c7d5a1aacf6e489", "0.5.0": "f7638957d8603682", "0.6.0-0.7.1": "50c009c81d7a3b5d",
+        "0.8.0.dev0-0.9.0": "038571ae2e42eb92", "0.9.1": "5c5de580e35d5f03",
     }),
     _fused("qwen2_vl", "triton", ">=0.4.1,<=0.9.1", {
-        "0.4.1": "0215a5a95618f897",
-        "0.5.0": "ed6cfe5f68e1b2df",
-        "0.6.0-0.7.1": "30cd41ff9bb24d63",
+        "0.4.1": "0215a5a95618f897", "0.5.0": "ed6cfe5f68e1b2df", "0.6.0-0.7.1": "30cd41ff9bb24d63",
         "0.8.0.dev0-0.9.1": "177192f600f209b0",
     }),
     # Before 0.6.0 Qwen2.5-VL had a module of its own.
@@ -256,27 +209,20 @@ QWEN2_VL_FUSED = (
 
 DENSE_FUSED = (
     _fused("dense_common", "torch", ">=0.4.1,<=0.9.1", {
-        "0.4.1": "9318d4277933edfb",
-        "0.5.0-0.7.1": "c2d6c1e04d49c872",
-        "0.8.0.dev0-0.9.0": "d15e06a479f4e49e",
+        "0.4.1": "9318d4277933edfb", "0.5.0-0.7.1": "c2d6c1e04d49c872", "0.8.0.dev0-0.9.0": "d15e06a479f4e49e",
         "0.9.1": "dc446b0fdc12cc42",
     }),
     _fused("dense_common", "triton", ">=0.4.1,<=0.9.1", {
-        "0.4.1": "766a8ad945249975",
-        "0.5.0-0.7.1": "c0489709bab6fbbd",
-        "0.8.0.dev0-0.9.1": "5769699326e173d2",
+        "0.4.1": "766a8ad945249975", "0.5.0-0.7.1": "c0489709bab6fbbd", "0.8.0.dev0-0.9.1": "5769699326e173d2",
     }),
 )
 
 QWEN3_5_FUSED = (
     _fused("qwen3_5", "torch", ">=0.8.0.dev0,<=0.9.1", {
-        "0.8.0.dev0-0.8.0": "d8fbabf7125cb384",
-        "0.9.0": "43c9d0c701f0e117",
-        "0.9.1": "c575d244ecbc0505",
+        "0.8.0.dev0-0.8.0": "d8fbabf7125cb384", "0.9.0": "43c9d0c701f0e117", "0.9.1": "c575d244ecbc0505",
     }),
     _fused("qwen3_5", "triton", ">=0.8.0.dev0,<=0.9.1", {
-        "0.8.0.dev0-0.8.0": "13a26f0a2447e294",
-        "0.9.0-0.9.1": "86ad9675412832a6",
+        "0.8.0.dev0-0.8.0": "13a26f0a2447e294", "0.9.0-0.9.1": "86ad9675412832a6",
     }),
 )
 

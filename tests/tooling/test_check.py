@@ -280,3 +280,17 @@ def test_check_shows_native_fsdp2_bugs_and_the_fixes(report):
     assert "aten.mm.default got mixed torch.Tensor and DTensor" in rows[native_fsdp.READER]["unpatched"]
     assert mixed.GLOO_MISMATCH in rows[native_fsdp.MIXED]["unpatched"], rows[native_fsdp.MIXED]
     assert all(r["patched"] == "ok" and r["loss_match"] and r["fixed"] for r in rows.values()), rows
+
+
+def test_check_shows_fp32_routers_only_where_transformers_keeps_them(report):
+    """transformers >= 5.24.0 keeps MoE routers fp32 in a bf16 GLM-4.5: torch's assertion unpatched, exact patched;
+    no row on an older transformers (every unit uniform)."""
+    from fsdp2_compat_harness.check import mixed_dtypes
+
+    rows = [r for r in report["rows"] if r["kind"] == mixed_dtypes.KIND]
+    if not guards.in_range(guards.installed_version("transformers") or "0", mixed_dtypes.KEEPS_FP32):
+        assert rows == [], rows
+        return
+    assert [(r["framework"], r["family"], r["patch"]) for r in rows] == [("torch", "glm4_moe", "moe")], rows
+    assert "FSDP expects uniform original parameter dtype" in rows[0]["unpatched"], rows[0]
+    assert rows[0]["patched"] == "ok" and rows[0]["loss_match"] and rows[0]["fixed"], rows[0]
