@@ -22,9 +22,9 @@ PROVEN_FPS = {k: FINGERPRINTS[k] for k in ("5.15.0-5.18.0", "5.23.0-5.25.0")}
 _MEDIA = "the model's patch: transformers_media (the tower in the root unit: a text-only rank's dummy)"
 PATHS = (
     Covered(FSDP, APPLY, PROVEN_FPS, "a text-only rank beside an image rank (Qwen2.5-VL, Qwen3-VL, GLM-4.1V, "
-            "Qwen3.5): " + _MEDIA),
-    Covered(FSDP, APPLY, PROVEN_FPS, "right as released: MoE with 3-D experts, GLM-4.1V position_embedding under "
-            "the default plan (in the root unit)"),
+            "Qwen3.5; HSDP, CPU offload): " + _MEDIA),
+    Covered(FSDP, APPLY, PROVEN_FPS, "right as released: MoE with 3-D experts (ep_size too), GLM-4.1V "
+            "position_embedding under the default plan (in the root unit)"),
     Covered(FSDP, APPLY, {"5.23.0-5.25.0": FINGERPRINTS["5.23.0-5.25.0"]},
             "not covered: a user fsdp_plan that frees lm_head or names a raw-read embedding (GLM-4.1V "
             "position_embedding) shards it as asked; readers must use fsdp2_compat.gather_param", fixed=False),

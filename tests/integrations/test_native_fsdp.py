@@ -15,6 +15,8 @@ average (``native_scenarios``; fp32, 1e-5).  What each bug class does there (tra
   the ranks' tokens reaching different experts): exact unpatched;
 - a user ``fsdp_plan`` (5.23.0+) that frees ``lm_head`` or names GLM-4.1V's ``position_embedding``: the crash,
   patched too (not covered: ``transformers_fsdp.PATHS``);
+- HSDP (``dp_replicate_size=2, fsdp_size=1``, 5.23.0+): the same crash and fixes (Phi; a text-only replica);
+  ``ep_size=2`` (5.19.0+, Qwen3-MoE's experts on their own mesh): exact unpatched;
 - CPU offload, with the named stand-in ``unpinned_offload`` (``pin_memory=False``; the released pinned policy needs
   an accelerator): ``gather_param`` and the paired head exact, ``full_tensor()`` still unaveraged, the text-only
   dummy exact.  What only a GPU shows (devices) is ``benchmarks/gpu_check.py``'s.
@@ -69,8 +71,16 @@ GLM_PLAN = {"model.visual.blocks.*": "free_full_weight",
 AS_ASKED = {"phi": dict(family="phi", read="raw", patches="textlm", kinds=TWO[:1],
                         config={"fsdp_plan": {"lm_head": "free_full_weight"}}),
             "glm4v": _vlm("glm4v", patches="glm4v", kinds=TWO[:1], config={"fsdp_plan": GLM_PLAN})}
+# HSDP (5.23.0+: dp_replicate_size; 2 ranks as 2 replicas of 1 shard) and experts on their own mesh (5.19.0+: ep_size)
+HSDP_CONFIG = {"dp_replicate_size": 2, "fsdp_size": 1}
+HSDP = {"phi raw": dict(family="phi", read="raw", kinds=TWO[:1], config=HSDP_CONFIG),
+        "phi textlm": dict(family="phi", read="raw", patches="textlm", kinds=TWO, config=HSDP_CONFIG),
+        "qwen2_5_vl": _vlm("qwen2_5_vl", patches="qwen2vl", kinds=MIXED_KINDS, config=HSDP_CONFIG)}
+EXPERT_MESH = guards.in_range(TRANSFORMERS, ">=5.19.0")
+EP = dict(family="qwen3_moe", kinds=TWO, config={"ep_size": 2})
 CASES = list(HEAD.values()) + list(TEXT_ONLY.values()) + [TEXT_ONLY_OFFLOAD] + list(RIGHT.values())
-CASES += list(AS_ASKED.values()) if USER_PLANS else []
+CASES += list(AS_ASKED.values()) + list(HSDP.values()) if USER_PLANS else []
+CASES += [EP] if EXPERT_MESH else []
 
 
 @pytest.fixture(scope="module")
@@ -179,3 +189,35 @@ def test_a_user_plan_that_shards_a_raw_read_is_not_covered(ran, family):
     for r in results:
         assert r["error"] == MIXED.replace("aten.mm.default", op), r["error"]
         assert r["native_pairs"] == 0, r  # a freed head is left as asked
+
+
+@pytest.mark.skipif(not USER_PLANS, reason="transformers %s: dp_replicate_size (HSDP) arrived in 5.23.0" % TRANSFORMERS)
+def test_hsdp_keeps_the_bugs_and_the_fixes(ran):
+    """``dp_replicate_size=2, fsdp_size=1``: Phi's lone head still crashes a raw reader unpatched and trains exactly
+    patched; a text-only replica beside an image replica trains exactly patched (unpatched: the next test)."""
+    for r in ran[id(HSDP["phi raw"])]:
+        assert r["error"] == MIXED and r["head_unit"] == ["lm_head"], r
+    for key in ("phi textlm", "qwen2_5_vl"):
+        results = ran[id(HSDP[key])]
+        _print("HSDP %s" % key, results)
+        _exact(results)
+    assert [r["walks"] for r in ran[id(HSDP["qwen2_5_vl"])]] == [0, 1]
+
+
+@pytest.mark.skipif(not USER_PLANS, reason="transformers %s: dp_replicate_size (HSDP) arrived in 5.23.0" % TRANSFORMERS)
+def test_unpatched_text_only_replica_aborts_gloo_under_hsdp():
+    case = dict(HSDP["qwen2_5_vl"], patches=None, kinds=MIXED_KINDS[:1])
+    results, gloo, _ = native_scenarios.collect([case], pg_timeout=20, timeout=200)
+    assert results == [None] and gloo is not None and GLOO in gloo, (results, gloo)
+
+
+@pytest.mark.skipif(not EXPERT_MESH, reason="transformers %s: ep_size arrived in 5.19.0" % TRANSFORMERS)
+def test_experts_on_their_own_mesh_are_right_as_released(ran):
+    """``ep_size=2``: Qwen3-MoE's experts dispatched to their own mesh (all-to-all), ranks reaching different experts:
+    exact unpatched (3-D experts: every rank has every gradient)."""
+    from fsdp2_compat_harness.moe_scenarios import differing_experts
+
+    results = ran[id(EP)]
+    _print("qwen3_moe ep_size=2", results)
+    _exact(results)
+    assert differing_experts(results), [r["hits"] for r in results]
