@@ -25,7 +25,7 @@ def run(args):
 
     for integration in integrations.INTEGRATIONS:
         if integration.covered:
-            print("%-14s no seam of its own; its paths as proven through its code:" % integration.dist)
+            print("%-14s its paths as proven through its code:" % integration.dist)
             for path in integration.covered:
                 print("%-14s   %s.%s (%s): %s" % ("", path.module, path.attr, ", ".join(path.fingerprints), path.by))
     return 0

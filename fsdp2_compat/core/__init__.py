@@ -15,5 +15,5 @@ pays for it when the variable is set):
 - ``instances``  objects that captured a replaced method bound to themselves (a late request)
 - ``calls``      what a seam's wrapper receives: self and arguments by name, under every calling convention
 - ``status``     what happened, as rows
-- ``covered``    the paths of a framework with no seam of its own, as proven through its code
+- ``covered``    the paths of a framework as proven through its code (beside its seams, or with none)
 """

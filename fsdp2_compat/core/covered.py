@@ -71,6 +71,6 @@ def format_lines(rows_):
     """The human lines ``status`` prints under its table."""
     if not rows_:
         return []
-    lines = ["no seam of its own (its paths, as proven through its code; the shared fixes above act on them):"]
+    lines = ["paths as proven through the frameworks' code (the fixes above act on them, or nothing does):"]
     lines += ["  %s %s  %s: %s, %s" % (r["dist"], r["found"], r["path"], r["outcome"], r["detail"]) for r in rows_]
     return lines

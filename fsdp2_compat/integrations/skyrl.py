@@ -17,14 +17,23 @@ patch, the release and what to do, and left untouched; a release outside
 says it is outside the proven range (``FSDP2_COMPAT_STRICT=proven`` refuses it).
 """
 
-from ..core.records import Integration, Target
+from ..core.records import Covered, Integration, Target
 from ..fixes import WRAP_SELECTION as FIX
+
+# cpu_offload=True: the load ends with every non-persistent buffer (the rotaries' inv_freq) on the CPU (issue #42
+# item 2; docs/upstream-problems.md; a GPU shows it: benchmarks/gpu_check.py offload_rotary).
+OFFLOAD_BUFFERS = Covered("skyrl.backends.skyrl_train.distributed.fsdp_utils", "_sync_non_persistent_buffers",
+                          {"0.3.0-0.4.0": "e8e9bbd884f003a3"}, "not covered: with cpu_offload=True the rotary "
+                          "inv_freq buffers stay on the CPU, a device mismatch on a GPU (read, and through FakeTensor "
+                          "device checks; not run on a GPU); use cpu_offload=False",
+                          fixed=False)
 
 SKYRL_INTEGRATION = Integration(
     dist="skyrl",
     package="skyrl",
     wrap_module="skyrl.backends.skyrl_train.distributed.fsdp_utils",
     callers=("skyrl.backends.skyrl_train.distributed.fsdp_strategy",),
+    covered=(OFFLOAD_BUFFERS,),
 )
 
 SKYRL_TRAIN_INTEGRATION = Integration(
