@@ -21,8 +21,6 @@ every ``mlp.gate``: the unsharded parameter the router computes with), the islan
 (``fixes.mixed_dtypes.STATS``), the error (``step 0: AssertionError: ...`` unpatched) and the comparison.
 """
 
-import json
-import os
 
 CASE = {"family": "glm4_moe", "wrap": "per-layer", "patches": None}
 
@@ -65,20 +63,9 @@ def wrap(model, how, rank, world):
 
 def dtype_cases(rank, world, directory, cases):
     """Every case in order (see the module doc); each rank writes ``directory/rank<N>.json`` after each case."""
-    import fsdp2_compat
+    from .rank_cases import each_case
 
-    from . import subset
-
-    out = []
-    for number, case in enumerate(cases):
-        subset.forget()
-        fsdp2_compat.revert()
-        out.append(dtype_case(rank, world, os.path.join(directory, "ckpt%d" % number), dict(CASE, **case)))
-        with open(os.path.join(directory, "rank%d.json" % rank), "w", encoding="utf-8") as f:
-            json.dump(out, f, default=str)
-    subset.forget()
-    fsdp2_compat.revert()
-    return out
+    return each_case(rank, world, directory, cases, CASE, dtype_case)
 
 
 def dtype_case(rank, world, path, case):
@@ -136,6 +123,7 @@ def collect(cases, pg_timeout=20, timeout=300):
     """``dtype_cases`` on 2 gloo ranks: ``([per case: [rank 0 result, rank 1 result] or None], error or None)``."""
     import tempfile
 
+    from .rank_cases import written_cases
     from .ranks import RankError, run_ranks
 
     with tempfile.TemporaryDirectory(prefix="f2c_dtypes_") as tmp:
@@ -144,8 +132,4 @@ def collect(cases, pg_timeout=20, timeout=300):
             run_ranks(dtype_cases, 2, tmp, cases, timeout=timeout, retries=0, pg_timeout=pg_timeout)
         except RankError as exc:
             error = str(exc)
-        written = []
-        for rank in range(2):
-            path = os.path.join(tmp, "rank%d.json" % rank)
-            written.append(json.load(open(path, encoding="utf-8")) if os.path.exists(path) else [])
-    return [[w[i] for w in written] if all(len(w) > i for w in written) else None for i in range(len(cases))], error
+        return written_cases(tmp, 2, len(cases)), error

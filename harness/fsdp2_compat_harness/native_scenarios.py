@@ -22,8 +22,6 @@ After each case every rank writes its results so far to ``directory/rank<N>.json
 (nothing returns), so such a case goes last and ``collect`` reads what was written.
 """
 
-import json
-import os
 
 CASE = {"patches": None, "read": None, "kinds": (("image", "image"),), "config": {}, "offload": None, "build": None}
 
@@ -80,23 +78,11 @@ def unpinned_offload():
 
 def native_cases(rank, world, directory, cases):
     """Every case in order (see the module doc); returns the results (when no case aborted the process)."""
-    import fsdp2_compat
-
-    from . import subset
     from .mixed import stderr_to_file
+    from .rank_cases import each_case
 
     stderr_to_file(directory, rank)
-    out = []
-    for number, case in enumerate(cases):
-        case = dict(CASE, **case)
-        subset.forget()
-        fsdp2_compat.revert()
-        out.append(native_case(rank, world, os.path.join(directory, "ckpt%d" % number), case))
-        with open(os.path.join(directory, "rank%d.json" % rank), "w", encoding="utf-8") as f:
-            json.dump(out, f, default=str)
-    subset.forget()
-    fsdp2_compat.revert()
-    return out
+    return each_case(rank, world, directory, cases, CASE, native_case)
 
 
 def native_case(rank, world, path, case):
@@ -174,6 +160,7 @@ def collect(cases, pg_timeout=30, timeout=400):
     import tempfile
 
     from .mixed import gloo_error
+    from .rank_cases import written_cases
     from .ranks import RankError, run_ranks
 
     with tempfile.TemporaryDirectory(prefix="f2c_native_") as tmp:
@@ -182,10 +169,4 @@ def collect(cases, pg_timeout=30, timeout=400):
             run_ranks(native_cases, 2, tmp, cases, timeout=timeout, retries=0, pg_timeout=pg_timeout)
         except RankError as exc:  # an aborted case: what each rank wrote before it is read below
             error = str(exc)
-        written = []
-        for rank in range(2):
-            path = os.path.join(tmp, "rank%d.json" % rank)
-            written.append(json.load(open(path, encoding="utf-8")) if os.path.exists(path) else [])
-        gloo = gloo_error(tmp, 2)
-    per_case = [[w[i] for w in written] if all(len(w) > i for w in written) else None for i in range(len(cases))]
-    return per_case, gloo, error
+        return written_cases(tmp, 2, len(cases)), gloo_error(tmp, 2), error

@@ -77,3 +77,37 @@ def worst_rank(results):
     return out
 
 
+def each_case(rank, world, directory, cases, base, run):
+    """``run(rank, world, checkpoint_dir, case)`` for each of ``cases`` (each over the defaults ``base``) in this
+    rank process, every patch forgotten and reverted around each; the results so far are written to
+    ``directory/rank<N>.json`` after each case (what ``collect``-style readers take from a rank a later case aborted).
+    Returns them all."""
+    import json
+    import os
+
+    import fsdp2_compat
+
+    from . import subset
+
+    out = []
+    for number, case in enumerate(cases):
+        subset.forget()
+        fsdp2_compat.revert()
+        out.append(run(rank, world, os.path.join(directory, "ckpt%d" % number), dict(base, **case)))
+        with open(os.path.join(directory, "rank%d.json" % rank), "w", encoding="utf-8") as f:
+            json.dump(out, f, default=str)
+    subset.forget()
+    fsdp2_compat.revert()
+    return out
+
+
+def written_cases(directory, world, count):
+    """What ``each_case`` wrote, per case: ``[rank 0 result, ...]``, or None for a case some rank did not finish."""
+    import json
+    import os
+
+    written = []
+    for rank in range(world):
+        path = os.path.join(directory, "rank%d.json" % rank)
+        written.append(json.load(open(path, encoding="utf-8")) if os.path.exists(path) else [])
+    return [[w[i] for w in written] if all(len(w) > i for w in written) else None for i in range(count)]
