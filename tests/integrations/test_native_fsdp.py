@@ -11,6 +11,7 @@ average (``native_scenarios``; fp32, 1e-5).  What each bug class does there (tra
 - class 3, a text-only rank beside an image rank (Qwen2.5-VL, Qwen3-VL, GLM-4.1V, Qwen3.5: the tower in the root
   unit): unpatched gloo ``Received data size doesn't match expected size``; patched with the family's patch exact,
   with the dummy, and a walk of it on a rank's second text-only micro-batch;
+- the catalogued VLMs' own head (in the root unit): a raw reader exact unpatched;
 - class 1 (GLM-4.1V ``position_embedding``, default plan: in the root unit) and class 4 (Qwen3-MoE, 3-D experts,
   the ranks' tokens reaching different experts): exact unpatched;
 - a user ``fsdp_plan`` (5.23.0+) that frees ``lm_head`` or names GLM-4.1V's ``position_embedding``: the crash,
@@ -63,6 +64,9 @@ HEAD = {(read, patch, offload): dict(family="phi", read=read, patches=patch, off
 TEXT_ONLY = {f: _vlm(f, patches=registry.for_model_type(f).name, kinds=MIXED_KINDS) for f in VLMS}
 TEXT_ONLY_OFFLOAD = _vlm("qwen3_vl", patches="qwen3vl", kinds=MIXED_KINDS, offload="unpinned")
 RIGHT = {"glm4v": _vlm("glm4v", kinds=TWO), "qwen3_moe": dict(family="qwen3_moe", kinds=TWO)}
+# The catalogued VLMs' default plans leave lm_head in the root unit (unsharded through the forward): a Liger-style
+# reader of lm_head.weight, raw, is right as released (class 2 needs a head alone in its unit: Phi above).
+VLM_READS = {f: _vlm(f, read="raw", kinds=TWO[:1]) for f in VLMS}
 # 5.23.0+ take a user fsdp_plan: one that frees lm_head, or names GLM-4.1V's raw-read position_embedding, shards it
 # as asked; the patches leave it (readers must use fsdp2_compat.gather_param).
 USER_PLANS = guards.in_range(TRANSFORMERS, ">=5.23.0")
@@ -79,6 +83,7 @@ HSDP = {"phi raw": dict(family="phi", read="raw", kinds=TWO[:1], config=HSDP_CON
 EXPERT_MESH = guards.in_range(TRANSFORMERS, ">=5.19.0")
 EP = dict(family="qwen3_moe", kinds=TWO, config={"ep_size": 2})
 CASES = list(HEAD.values()) + list(TEXT_ONLY.values()) + [TEXT_ONLY_OFFLOAD] + list(RIGHT.values())
+CASES += list(VLM_READS.values())
 CASES += list(AS_ASKED.values()) + list(HSDP.values()) if USER_PLANS else []
 CASES += [EP] if EXPERT_MESH else []
 
@@ -168,6 +173,14 @@ def test_right_as_released(ran, family):
         from fsdp2_compat_harness.moe_scenarios import differing_experts
 
         assert differing_experts(results), [r["hits"] for r in results]
+
+
+@pytest.mark.parametrize("family", VLMS)
+def test_a_vlm_head_reader_is_right_as_released(ran, family):
+    results = ran[id(VLM_READS[family])]
+    _print("%s raw lm_head reader, unpatched" % family, results)
+    _exact(results)
+    assert "lm_head" not in results[0]["wrapped"], results[0]["wrapped"]  # the head in the root unit
 
 
 @pytest.mark.parametrize("family", VLMS)
