@@ -16,9 +16,10 @@ train_against_reference``, different data per rank, SGD on both).  A case is a d
 - ``patches``: what ``subset.apply`` takes (None: unpatched).
 
 A result holds whether ``fully_shard`` is the patched one where transformers' native FSDP2 imported it by name
-before the patch and in ``torch.distributed.fsdp`` (``rebound``), the parameters that loaded fp32, the router weight's dtype inside each forward (a pre-hook on
-every ``mlp.gate``: the unsharded parameter the router computes with), the islands the fix sharded
-(``fixes.mixed_dtypes.STATS``), the error (``step 0: AssertionError: ...`` unpatched) and the comparison.
+before the patch and in ``torch.distributed.fsdp`` (``rebound``), the parameters that loaded fp32, the router
+weight's dtype inside each forward (a pre-hook on every ``mlp.gate``: the unsharded parameter the router computes
+with), the islands the fix sharded (``fixes.mixed_dtypes.STATS``), the error (``step 0: AssertionError: ...``
+unpatched) and the comparison.
 """
 
 
@@ -69,20 +70,21 @@ def dtype_cases(rank, world, directory, cases):
 
 
 def dtype_case(rank, world, path, case):
+    """One case on this rank (the module doc says what its result holds)."""
+    import importlib
+
     import torch
     import torch.distributed as dist
 
+    from fsdp2_compat.core.swaps import is_ours
     from fsdp2_compat.fixes import mixed_dtypes
 
     from . import subset, tiny
     from .scenarios import first_line, train_against_reference
 
-    import importlib
-
     # a module that imported ``fully_shard`` by name before the patch (transformers' native FSDP2, 5.15.0+)
     early = importlib.import_module("transformers.distributed.fsdp")
     subset.apply(case["patches"])
-    from fsdp2_compat.core.swaps import is_ours
 
     model = build(case["family"])
     cls = type(model)
@@ -96,9 +98,9 @@ def dtype_case(rank, world, path, case):
     for name, module in model.named_modules():
         if name.endswith("mlp.gate"):
             module.register_forward_pre_hook(lambda m, _: router_dtypes.add(str(m.weight.dtype).replace("torch.", "")))
-    result = dict(case, error=None, loaded_fp32=loaded_fp32, rebound=[is_ours(early.__dict__.get("fully_shard")),
-                                                                       is_ours(torch.distributed.fsdp.fully_shard)], losses=[], loss_err=0.0, grad_err=0.0, worst_grad=None,
-                  grad_rel_to_max=0.0, worst_rel_to_max=None, param_err=0.0, grads_checked=0)
+    rebound = [is_ours(early.__dict__.get("fully_shard")), is_ours(torch.distributed.fsdp.fully_shard)]
+    result = dict(case, error=None, loaded_fp32=loaded_fp32, rebound=rebound, losses=[], loss_err=0.0, grad_err=0.0,
+                  worst_grad=None, grad_rel_to_max=0.0, worst_rel_to_max=None, param_err=0.0, grads_checked=0)
     islands_before = len(mixed_dtypes.STATS["islands"])
     try:
         model = wrap(model, case["wrap"], rank, world)
