@@ -181,10 +181,18 @@ def missing(where, what):
         logging.getLogger("fsdp2_compat").warning(message)
 
 
-def before_each_call(module, attr, what, before, after=None):
+def before_each_call(module, attr, what, before):
     """``{attr: wrapper}``: each call of ``module.attr`` first runs ``before(self)`` (the method's receiver,
-    however it was called), then upstream's code unchanged, then ``after(self)``.  A call without a receiver is
-    ``missing(what)``."""
+    however it was called), then upstream's code unchanged.  A call without a receiver is ``missing(what)``."""
+    return _around_each_call(module, attr, what, before, None)
+
+
+def after_each_call(module, attr, what, after):
+    """``{attr: wrapper}``: upstream's code unchanged, then ``after(self)``, as ``before_each_call``."""
+    return _around_each_call(module, attr, what, None, after)
+
+
+def _around_each_call(module, attr, what, before, after):
     import wrapt
 
     signature = signature_of(module, attr)

@@ -31,4 +31,4 @@ def mp_dtypes_seam(module, attr):
     """``{"FSDPParamGroup._init_mp_dtypes": wrapper}``: torch's method, then 2.14's rule for a frozen group."""
     from ..core import calls
 
-    return calls.before_each_call(module, attr, "its FSDPParamGroup (self)", None, after=frozen_group_dtypes)
+    return calls.after_each_call(module, attr, "its FSDPParamGroup (self)", frozen_group_dtypes)
