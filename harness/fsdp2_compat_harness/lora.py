@@ -8,14 +8,21 @@ unsharded fp32 model's gradients of the data-parallel average (``check`` row "Lo
 """
 
 
+def config(targets):
+    """The one LoRA configuration of the harness: r=4 on ``targets``, a Gaussian ``lora_B``."""
+    import peft
+
+    return peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(targets), init_lora_weights="gaussian")
+
+
 def lora(model, targets):
+    """``peft.get_peft_model(model, config(targets))``, its adapters drawn from seed 0 (every base parameter frozen)."""
     import peft
     import torch
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        return peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(targets),
-                                                          init_lora_weights="gaussian"))
+        return peft.get_peft_model(model, config(targets))
 
 
 def unfreeze(rank, world, framework, patches, family="qwen2_5_vl", steps=None):

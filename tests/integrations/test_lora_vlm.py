@@ -26,6 +26,7 @@ pytest.importorskip("transformers", reason="needs transformers (tiny models)")
 pytest.importorskip("peft", reason="needs peft (LoRA adapters)")
 
 from fsdp2_compat.core import guards  # noqa: E402
+from fsdp2_compat_harness import lora  # noqa: E402
 from fsdp2_compat_harness.ranks import RankError, run_ranks  # noqa: E402
 from support import accum_jobs, lora_jobs, moe_jobs  # noqa: E402
 
@@ -119,13 +120,13 @@ def test_class_4_lora_on_experts_no_token_reached_aborts_unpatched_and_is_exact_
 
 @pytest.mark.depends_on("torch", "peft")
 def test_pytorch_186998_a_unit_first_run_frozen_fails_when_unfrozen_and_is_right_patched():
-    (r, _) = run_ranks(lora_jobs.unfreeze, 2, "fully_shard", None)
+    (r, _) = run_ranks(lora.unfreeze, 2, "fully_shard", None)
     if guards.in_range(TORCH, ">=2.8.0,<2.14.0"):
         assert r["error"] and r["error"].startswith("step 1: RuntimeError: attempting to assign a gradient with "
                                                     "dtype 'c10::BFloat16' to a tensor with grad_dtype 'Float'"), r
     else:
         assert r["error"] is None, r
-    for rank, r in enumerate(run_ranks(lora_jobs.unfreeze, 2, "fully_shard", ["qwen2vl"])):
+    for rank, r in enumerate(run_ranks(lora.unfreeze, 2, "fully_shard", ["qwen2vl"])):
         assert r["error"] is None and r["vision_grad_dtypes"] == ["torch.float32"], (rank, r)
         # bf16 compute against the fp32 reference: accum_jobs' bf16 bound relative to the largest gradient
         assert r["vision_rel_to_max"] < accum_jobs.BF16_REL_TO_MAX, (rank, r)

@@ -9,19 +9,13 @@ wrapping, 2 gloo ranks with different data, the unsharded reference a deep copy 
 EXPERT_TARGETS = ("q_proj", "v_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def _lora(model, targets):
-    from fsdp2_compat_harness import lora
-
-    return lora.lora(model, targets)
-
-
 def _lora_builds(targets):
     """The harness's builders return the LoRA model (a fresh rank process: nothing to restore)."""
-    from fsdp2_compat_harness import moe_scenarios, tiny
+    from fsdp2_compat_harness import lora, moe_scenarios, tiny
 
     build, moe_build = tiny.build, moe_scenarios.build
-    tiny.build = lambda family, *args, **kwargs: _lora(build(family, *args, **kwargs), targets)
-    moe_scenarios.build = lambda family: _lora(moe_build(family), targets)
+    tiny.build = lambda family, *args, **kwargs: lora.lora(build(family, *args, **kwargs), targets)
+    moe_scenarios.build = lambda family: lora.lora(moe_build(family), targets)
 
 
 def selection(rank, world, framework, patches):
@@ -61,6 +55,7 @@ def fused(rank, world, family, patches):
     import torch
     import verl.models.transformers.monkey_patch as monkey_patch
 
+    from fsdp2_compat_harness import lora
     from fsdp2_compat_harness.scenarios import train_fused
 
     original = monkey_patch.apply_monkey_patch
@@ -69,8 +64,7 @@ def fused(rank, world, family, patches):
         original(model, *args, **kwargs)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
-            peft.inject_adapter_in_model(peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                                         init_lora_weights="gaussian"), model)
+            peft.inject_adapter_in_model(lora.config(("q_proj", "v_proj")), model)
         for name, param in model.named_parameters():
             param.requires_grad_("lora_" in name)
 
@@ -78,10 +72,3 @@ def fused(rank, world, family, patches):
     result = train_fused(rank, world, family, patches)
     result.pop("kernel_weights", None)
     return result
-
-
-def unfreeze(rank, world, framework, patches):
-    """pytorch #186998 (``fsdp2_compat_harness.lora.unfreeze``: the ``check`` row's run)."""
-    from fsdp2_compat_harness import lora
-
-    return lora.unfreeze(rank, world, framework, patches)
