@@ -14,26 +14,33 @@ reduce-scatter what it holds, in an image rank's order, adding an exact zero.
    backward recomputed it (reentrant checkpoint: its forward ran without grad);
    the parameters that received a gradient, per unit, and those outside every
    unit (held by a unit around the tower, already unsharded: read from the
-   dummy's graph).  Complete at the end of the backward that reaches it (at
-   once without grad).
+   dummy's graph, and from the modules it called outside unit calls, whose
+   parameters a reentrant checkpoint keeps out of that graph); for a unit
+   called more than once (Step-3.7's and DeepSeek-OCR-2's view, then crop),
+   whether autograd accumulated its gradient once or at each call.  Complete
+   at the end of the backward that reaches it (at once without grad).
 2. Walk (every later one): each recorded unit is called through its own
    ``nn.Module.__call__``, so FSDP2's hooks do what they do for any forward,
    with its ``forward`` replaced for that call by a copy of a 0-dim zero
    through an autograd function whose backward gives each recorded parameter an
    exact-zero gradient (it reads no parameter); inputs and outputs require a
    gradient where the real ones did, a call runs checkpointed (reentrant) or
-   without grad where the real one did.  No tower code runs.
+   without grad where the real one did; a unit whose calls each accumulated
+   gets its zero written at each call, so FSDP2 reduces it as often.  No tower
+   code runs.
 
 Every rank decides alone and alike (the record depends on the model and the
 dummy, never on the data): a walking rank agrees with a recording one and
 with an image rank (``tests/fixes/test_unit_walk.py`` compares the collective
-sequences, checkpointing off / reentrant / non-reentrant; the mixed-ranks
-tests train a walking rank beside an image rank to the DP average).
+sequences on every family with a tower, checkpointing off / reentrant /
+non-reentrant; the mixed-ranks tests train a walking rank beside an image
+rank to the DP average, reentrant checkpointing included).
 
-Fails safe: what the record cannot mirror (a unit called twice, as in
-Step-3.7's and DeepSeek-OCR-2's view-and-crop dummies; a module called inside
-a unit that does not hold it; a unit recomputed only sometimes; nested
-checkpoints; an outer parameter gone or sharded when a walk starts) makes
+Fails safe: what the record cannot mirror (a module called inside a unit that
+does not hold it; a unit recomputed only sometimes; nested checkpoints; a unit
+called n times whose gradient accumulated neither once nor n times, or at each
+call when a call's input needed no gradient; an outer parameter gone or
+sharded when a walk starts) makes
 the record unusable, with the reason (``why_not``), before any collective of a
 walk: that model keeps the real dummy.  A record whose backward never came is
 made again.  Delete with ``fixes.mixed_media``.
@@ -51,7 +58,7 @@ _MISSING = object()
 class _Call:
     """One call of one FSDP2 unit by the recorded dummy."""
 
-    __slots__ = ("unit", "grad_in", "grad_on", "reached", "recomputed", "children", "params")
+    __slots__ = ("unit", "grad_in", "grad_on", "reached", "recomputed", "children", "params", "own")
 
     def __init__(self, unit, grad_in, grad_on):
         self.unit = weakref.ref(unit)
@@ -61,6 +68,7 @@ class _Call:
         self.recomputed = 0  # times backward ran it again
         self.children = []  # unit calls inside it
         self.params = []  # (weakref module, name): parameters it holds that received a gradient
+        self.own = False  # a unit called more than once that reduced at each call: its zero is its own
 
 
 class _Record:
@@ -72,7 +80,8 @@ class _Record:
         self._stack, self._hooks, self._window = [], [], True
         self._by_unit = {}  # unit -> [its calls]
         self._seen = {}  # id(parameter) -> (unit holding it, module, name, parameter)
-        self._grads = set()  # ids of parameters that received a gradient
+        self._grads = {}  # id(parameter) -> how many times autograd accumulated a gradient into it
+        self._outside = {}  # id(parameter) -> (module, name) of modules the dummy called outside every unit call
         self._subtrees = {}
 
     def start(self, model):
@@ -101,11 +110,21 @@ class _Record:
         return self._subtrees[unit]
 
     def _any_pre(self, module, args):
-        """A module called inside a unit call must be one the unit holds (else a walk unshards the wrong unit)."""
-        if self._window and self._stack and not isinstance(module, self._fsdp):
+        """A module called inside a unit call must be one the unit holds (else a walk unshards the wrong unit);
+        one called outside every unit call holds outer parameters (held by a unit around the tower)."""
+        if not self._window or isinstance(module, self._fsdp):
+            return
+        if self._stack:
             unit = self._stack[-1].unit()
             if not any(m is module for m in self._subtree(unit)):
                 self._refuse("%s calls %s, which it does not hold" % (type(unit).__name__, type(module).__name__))
+            return
+        for name, param in module._parameters.items():
+            # (inside a reentrant checkpoint the forward graph holds none of them: PaddleOCR-VL's tower, in the
+            # root unit, under transformers' reentrant checkpointing; they count if a gradient reaches them)
+            if param is not None and param.requires_grad and id(param) not in self._outside:
+                self._outside[id(param)] = (module, name)
+                self._hooks.append(param.register_post_accumulate_grad_hook(self._accumulated))
 
     def _unit_pre(self, unit, args, kwargs):
         import torch
@@ -124,9 +143,11 @@ class _Record:
             for name, param in module._parameters.items():
                 if param is not None and param.requires_grad and id(param) not in self._seen:
                     self._seen[id(param)] = (unit, module, name, param)
-                    self._hooks.append(param.register_post_accumulate_grad_hook(
-                        lambda p: self._grads.add(id(p))))
+                    self._hooks.append(param.register_post_accumulate_grad_hook(self._accumulated))
         return None
+
+    def _accumulated(self, param):
+        self._grads[id(param)] = self._grads.get(id(param), 0) + 1
 
     def _unit_post(self, unit, args, output):
         if in_backward():  # a reentrant recompute: the forward's outputs required no gradient
@@ -173,17 +194,17 @@ class _Record:
         if self.complete:
             return
         self.drop()
+        known = {id(m()._parameters.get(name)) for m, name in self.outer if m() is not None}
+        self.outer += [(weakref.ref(m), name) for pid, (m, name) in self._outside.items()
+                       if pid in self._grads and pid not in known and pid not in self._seen]
+        self._outside.clear()
         for unit, module, name, param in self._seen.values():  # each call of a unit: all it received
             if id(param) in self._grads:
                 for call in self._by_unit[unit]:
                     call.params.append((weakref.ref(module), name))
-        for calls in self._by_unit.values():
+        for unit, calls in self._by_unit.items():
             if len(calls) > 1:
-                # Step-3.7 / DeepSeek-OCR-2: a view, then a crop, on independent inputs.  The two backward passes
-                # share each parameter's accumulation, and whether the unit reduces once or twice depends on how
-                # autograd schedules them (gradient checkpointing on, transformers 5.24.0: the dummy reduced
-                # twice, a walk once; without it they agreed): not walked.
-                self._refuse("the media path calls %s %d times" % (type(calls[0].unit()).__name__, len(calls)))
+                self._called_again(unit, calls)
             for call in calls:
                 if call.recomputed not in (0, len(calls)):
                     self._refuse("backward recomputed %s only sometimes" % type(call.unit()).__name__)
@@ -194,6 +215,36 @@ class _Record:
         self.complete = True
         STATS["records"] += 1
         STATS["unusable"] += bool(self.why_not)
+
+    def _called_again(self, unit, calls):
+        """Mirror a unit the media path calls more than once (Step-3.7's and DeepSeek-OCR-2's view, then crop).
+
+        FSDP2 reduces a unit at a call's post-backward when its parameters hold a gradient then, and the calls
+        share each parameter's accumulation: autograd accumulates once, after every call's backward, unless
+        each call's backward is a nested one.  Which it is depends on autograd's schedule, not on the record
+        (Step-3.7, transformers 5.24.0, torch 2.15.0: once without gradient checkpointing or with
+        non-reentrant, once per call with transformers' reentrant checkpointing of the text layers), so the
+        record counts the accumulations and the walk does the same: once (the calls' zero gradients accumulate
+        together) or at each call (each call writes its own zero before its post-backward; needs each call's
+        input to require a gradient, so that a call's post-backward runs before the previous call's backward).
+        A gradient left by a micro-batch without gradient sync then changes what FSDP2 reduces alike on every
+        rank: the count is of accumulations, not of reduces."""
+        if any(call.recomputed and not call.grad_on for call in calls):
+            # torch 2.13.0, transformers 5.10.4 / 5.16.1, DeepSeek-OCR-2's layers: gradients off by 0.031 with
+            # every rank on images, no dummy run (docs/upstream-problems.md): nothing exact to mirror
+            self._refuse("the media path calls %s %d times inside reentrant activation checkpoints, whose "
+                         "gradients FSDP2 does not reduce whole" % (type(unit).__name__, len(calls)))
+            return
+        counts = {self._grads[id(param)] for holder, module, name, param in self._seen.values()
+                  if holder is unit and id(param) in self._grads}
+        if not counts or counts == {1}:
+            return
+        if counts == {len(calls)} and all(call.grad_in for call in calls):
+            for call in calls:
+                call.own = True
+        else:
+            self._refuse("the media path calls %s %d times and autograd accumulated its gradients %s times" % (
+                type(unit).__name__, len(calls), "/".join(map(str, sorted(counts)))))
 
     def drop(self):
         """Remove every hook (a record abandoned, or complete)."""
@@ -224,13 +275,12 @@ def floating(value):
             yield from floating(v)
 
 
-_ZERO_GRADS = {}
+_FUNCTIONS = {}
 
 
-def _zero_grads(x, params):
-    """``x`` copied, through an autograd function whose backward gives each of ``params`` an exact-zero gradient
-    of its shape and dtype (and ``x`` what it receives); its forward reads no parameter."""
-    if "fn" not in _ZERO_GRADS:
+def _functions():
+    """The walk's two autograd functions (made on first use: torch is imported then)."""
+    if not _FUNCTIONS:
         import torch
 
         class ZeroGrads(torch.autograd.Function):
@@ -244,13 +294,47 @@ def _zero_grads(x, params):
                 return (grad, *[torch.zeros(s, dtype=d, device=dev) if needed else None
                                 for (s, d, dev), needed in zip(ctx.shapes, ctx.needs_input_grad[1:])])
 
-        _ZERO_GRADS["fn"] = ZeroGrads.apply
-    return _ZERO_GRADS["fn"](x, *params)
+        class OwnZeroGrads(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, t, refs):
+                ctx.refs = refs
+                return t.clone()
+
+            @staticmethod
+            def backward(ctx, grad):
+                for p in _resolve_or_raise(ctx.refs):  # unsharded again now: its pre-backward ran
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                return grad, None
+
+        _FUNCTIONS.update(shared=ZeroGrads.apply, own=OwnZeroGrads.apply)
+    return _FUNCTIONS
+
+
+def _zero_grads(x, params):
+    """``x`` copied, through an autograd function whose backward gives each of ``params`` an exact-zero gradient
+    of its shape and dtype (and ``x`` what it receives); its forward reads no parameter."""
+    return _functions()["shared"](x, *params)
+
+
+def _own_zero_grads(x, refs):
+    """``x`` copied, through an autograd function whose backward writes an exact-zero gradient into each of the
+    parameters ``refs`` names that has none (resolved then): not through autograd's accumulation, which the
+    parameter's other calls would hold back until their own backward ran."""
+    return _functions()["own"](x, refs)
 
 
 def _resolve(refs):
     params = [None if m() is None else m()._parameters.get(name) for m, name in refs]
     return None if any(p is None for p in params) else params
+
+
+def _resolve_or_raise(refs, unit=None):
+    params = _resolve(refs)
+    if params is None:  # (a module deleted from a live model)
+        raise RuntimeError("fsdp2-compat: a recorded parameter%s is gone" % (
+            "" if unit is None else " of %s" % type(unit).__name__))
+    return params
 
 
 def _through_hooks(unit, fake, x):
@@ -275,10 +359,10 @@ def _walk_call(call, x):
     unit = call.unit()
 
     def fake(t):
-        params = _resolve(call.params)
-        if params is None:  # (a module deleted from a live model)
-            raise RuntimeError("fsdp2-compat: a recorded parameter of %s is gone" % type(unit).__name__)
-        return _zero_grads(_walk_calls(call.children, t, t.device), params)
+        out = _walk_calls(call.children, t, t.device)
+        if call.own:
+            return _own_zero_grads(out, call.params)
+        return _zero_grads(out, _resolve_or_raise(call.params, unit))
 
     def run(t):
         return _through_hooks(unit, fake, t)
@@ -302,7 +386,8 @@ def _walk_calls(calls, carry, device):
     side = []
     for call in calls:
         if not call.grad_in:
-            x = torch.zeros((), device=device)
+            # (a reentrant checkpoint's output needs an input with a gradient: its backward recomputes the call)
+            x = torch.zeros((), device=device, requires_grad=bool(call.recomputed and not call.grad_on))
         else:  # (FSDP2 then reduces this unit in backward, not after it)
             x = carry if carry.requires_grad else torch.zeros((), device=device, requires_grad=True)
         out = _walk_call(call, x)

@@ -48,8 +48,16 @@ PG_TIMEOUT = 20
 STEPS = ((("image",), ("text",)), (("text",), ("image",)), (("image",), ("text",)))
 # two micro-batches per rank, the first one's sync deferred; each rank walks in the second step
 ACCUM_STEPS = ((("image", "text"), ("text", "image")), (("text", "image"), ("image", "text")))
-# Sync on every micro-batch, and deferred (fp32 exact; bf16 parameters within bf16 tolerance): test_mixed_ranks' cases.
-PATCHED_CASES = ("fp32 every", "fp32 deferred", "bf16 deferred")
+# Sync on every micro-batch, and deferred (fp32 exact; bf16 parameters within bf16 tolerance): test_mixed_ranks' cases;
+# and with transformers' reentrant gradient checkpointing, where a unit the dummy calls twice reduces at each call
+# (Step-3.7, DeepSeek-OCR-2: the walk's own zeros, unit_walk).
+PATCHED_CASES = ("fp32 every", "fp32 deferred", "bf16 deferred", "fp32 every reentrant")
+# Under reentrant checkpointing some releases' records cannot be walked (the real dummy runs every time, as
+# tests/fixes/test_unit_walk.py's KEEPS_THE_DUMMY): the audio towers' nested checkpoints (5.8.0), and
+# DeepSeek-OCR-2's unit called twice inside reentrant checkpoints (5.10.4, 5.16.1), whose gradients FSDP2
+# itself leaves unreduced: wrong with every rank on images (0.031, 5.16.1), so no claim there.
+REENTRANT_KEEPS_THE_DUMMY = ("qwen2_audio", "audioflamingo3", "deepseek_ocr2")
+UPSTREAM_REENTRANT = ("deepseek_ocr2",)
 # Mixture-of-experts families: bf16 parameters may route a token to other experts than the fp32 reference
 # does, and that expert's whole gradient then differs (GLM-4.5V: 0.26 of max on one expert, transformers
 # 5.24.0).  Not a property of the fix: their claim is the exact fp32 one.
@@ -62,7 +70,8 @@ MOE = ("glm4v_moe", "qwen3_vl_moe", "qwen3_5_moe", "step3p7")
 DISCRETE = MOE + ("chameleon", "glm_image")
 # Step-3.7 and DeepSeek-OCR-2 run their tower twice with local crops: every micro-batch without crops runs a dummy
 # (media_towers.pad), so each rank's image micro-batch runs one too.  Crops against an image without: CROPS_STEPS.
-# Their text-only dummy calls a vision unit twice: recorded, never walked (unit_walk); their crop-only dummy is.
+# Their text-only dummy calls a vision unit twice (view, crop); walked like every other (unit_walk), and so is
+# their crop-only dummy.
 PADDED = ("step3p7", "deepseek_ocr2")
 CROPS_STEPS = ((("image+crops",), ("text",)), (("image",), ("image+crops",)))
 MISMATCH = "Received data size doesn't match expected size. Is there a distributed collective mismatch"
@@ -133,7 +142,8 @@ def _run():
         families = [f for f in FAMILIES if _why_not(f) is None]
         unpatched = (UNPATCHED_FAMILY if UNPATCHED_FAMILY in families else families[0],
                      ("unpatched", "user-without-mixed", "fp32", "every", STEPS))
-        cases = [(name, "user", name.split()[0], name.split()[1], _steps(name)) for name in PATCHED_CASES]
+        cases = [(name, "user", name.split()[0], name.split()[1], _steps(name), *name.split()[2:])
+                 for name in PATCHED_CASES]
         patched, ranks = mixed_jobs.run_patched_then_unpatched(FRAMEWORK, families, cases, unpatched, PG_TIMEOUT,
                                                                "mixed_families_")
         _RESULTS["run"] = (patched, unpatched[0], ranks)
@@ -141,13 +151,12 @@ def _run():
 
 
 def _steps(case):
-    return STEPS if case.endswith("every") else ACCUM_STEPS
+    return STEPS if case.split()[1] == "every" else ACCUM_STEPS
 
 
 def _expected(case, what, family=None):
     """Per rank: the dummies ``case`` runs (one per text-only micro-batch; a padded family's image micro-batch
-    runs its crop dummy too), or the walks (each dummy kind's later runs; a padded family's text-only dummy
-    never)."""
+    runs its crop dummy too), or the walks (each dummy kind's later runs)."""
     out = []
     for rank in range(2):
         kinds = [k for step in _steps(case) for k in accum_jobs.rank_kinds(step, rank)]
@@ -155,8 +164,7 @@ def _expected(case, what, family=None):
         if what == "dummies":
             out.append(texts + (images if family in PADDED else 0))
         else:
-            out.append((0 if family in PADDED else max(texts - 1, 0)) + (max(images - 1, 0) if family in PADDED
-                                                                           else 0))
+            out.append(max(texts - 1, 0) + (max(images - 1, 0) if family in PADDED else 0))
     return out
 
 
@@ -171,13 +179,20 @@ def test_patched_mixed_ranks_train_to_the_dp_average(family, case):
                     "DISCRETE); the fp32 cases are exact")
     patched, _, _ = _run()
     results = patched[family]
+    kept = any(r[case].get("unwalkable") for r in results)
+    if kept:
+        assert case.endswith("reentrant") and family in REENTRANT_KEEPS_THE_DUMMY, (family, case, results)
+        if family in UPSTREAM_REENTRANT:
+            pytest.skip("upstream: FSDP2 leaves a unit called twice inside reentrant checkpoints unreduced "
+                        "(docs/upstream-problems.md)")
     for rank, r in enumerate(results):
         accum_jobs.assert_close(r[case], case.split()[0], "%s %s %s rank %d" % (FRAMEWORK, family, case, rank))
     # one dummy vision forward per text-only micro-batch, never on an image micro-batch (so the fix found the
     # tower FSDP2-managed: units of its own, or PaddleOCR-VL's root unit around it); the first of each kind
     # records, the later ones walk
     assert [r[case]["dummy_forwards"] for r in results] == _expected(case, "dummies", family), results
-    assert [r[case]["walks"] for r in results] == _expected(case, "walks", family), results
+    assert [r[case]["walks"] for r in results] == (
+        [0, 0] if kept else _expected(case, "walks", family)), results
     if family == "glm_image":  # one tokenizer call per micro-batch: the dummy's (none when walked), and the two
         # source images' merged
         micro_batches = [sum(len(accum_jobs.rank_kinds(step, rank)) for step in _steps(case)) for rank in range(2)]

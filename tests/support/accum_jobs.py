@@ -274,10 +274,11 @@ def _micro_batch(family, reference, seed, kind, fused):
     return batch
 
 
-def _one_case(rank, world, framework, family, fused, patches, policy, sync, steps, chunked=False):
+def _one_case(rank, world, framework, family, fused, patches, policy, sync, steps, chunked=False, checkpointing=None):
     """One training run; returns the result dict of ``train_against_reference`` plus the evidence.
 
-    ``chunked``: the model class's forward is ``chunked_head_forward`` for this run.
+    ``chunked``: the model class's forward is ``chunked_head_forward`` for this run; ``checkpointing``:
+    ``"reentrant"`` or ``"non-reentrant"``: transformers' own gradient checkpointing, enabled before sharding.
     """
     import copy
 
@@ -290,6 +291,8 @@ def _one_case(rank, world, framework, family, fused, patches, policy, sync, step
     if framework != "accelerate":
         scenarios.import_fsdp_utils(framework)  # the wrapping module first, as a trainer imports it
     model = _build(family, fused)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"})
     if chunked:  # before sharding, as verl installs its forwards; restored after the run
         model_class = type(model)
         saved_forward = model_class.__dict__["forward"]
@@ -301,7 +304,7 @@ def _one_case(rank, world, framework, family, fused, patches, policy, sync, step
               "never_gathered_after_first": None, "grads": [], "lm_head_sharded_after_backward": []}
     releases_before = gather.STATS["early_releases"]
     dummies_before = mixed_media.STATS["dummy_forwards"]
-    walks_before = unit_walk.STATS["walks"]
+    walks_before, unusable_before = unit_walk.STATS["walks"], unit_walk.STATS["unusable"]
     merged_before = media_merge.STATS["merged_forwards"]
     encodes_before = vq_tokens.STATS["encodes"]
     lm_head = getattr(model, "lm_head", None)
@@ -356,13 +359,14 @@ def _one_case(rank, world, framework, family, fused, patches, policy, sync, step
     result["early_releases"] = gather.STATS["early_releases"] - releases_before
     result["dummy_forwards"] = mixed_media.STATS["dummy_forwards"] - dummies_before
     result["walks"] = unit_walk.STATS["walks"] - walks_before  # of which walked (fixes.unit_walk)
+    result["unwalkable"] = unit_walk.STATS["unusable"] - unusable_before  # records the walk could not mirror
     result["merged_forwards"] = media_merge.STATS["merged_forwards"] - merged_before
     result["vq_encodes"] = vq_tokens.STATS["encodes"] - encodes_before  # GLM-Image's one tokenizer call
     return result
 
 
 def accumulation_cases(rank, world, framework, family, cases, pairs=(), fused=False, chunked=False):
-    """Run ``cases`` ``[(name, patches, policy, sync, steps)]`` in order; ``{name: result}``.
+    """Run ``cases`` ``[(name, patches, policy, sync, steps[, checkpointing])]`` in order; ``{name: result}``.
 
     ``framework``: as for ``_prepare`` (the fused and chunked runs: verl).
     ``patches``: a list of catalogue names (the test-only ones included) or
@@ -380,10 +384,11 @@ def accumulation_cases(rank, world, framework, family, cases, pairs=(), fused=Fa
 
     register_test_patches()
     out = {}
-    for name, patches, policy, sync, steps in cases:
+    for name, patches, policy, sync, steps, *checkpointing in cases:
         try:
             kinds = {"mixed": STEPS, "text": TEXT_STEPS}.get(steps, steps)
-            out[name] = _one_case(rank, world, framework, family, fused, patches, policy, sync, kinds, chunked)
+            out[name] = _one_case(rank, world, framework, family, fused, patches, policy, sync, kinds, chunked,
+                                  *checkpointing)
         except Exception as exc:  # a harness failure, not a training failure: report, go on
             out[name] = {"error": "harness: %s: %s" % (type(exc).__name__, first_line(exc)), "grads": []}
         finally:

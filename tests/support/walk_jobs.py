@@ -40,14 +40,16 @@ class _Counter:
             h.remove()
 
 
-def _toy(world, twice=False, foreign=False, frozen_first=False):
+def _toy(world, twice=False, foreign=False, frozen_first=False, reentrant=False):
     """``(model, run)``: a root unit holding ``proj`` and ``unused``, a tower of three unit blocks; ``run`` is
     the dummy (the tower on a tiny input, then ``proj``).  ``twice``: the dummy runs block 0 twice;
-    ``foreign``: block 1 calls ``proj`` (a module it does not hold); ``frozen_first``: block 0 is frozen."""
+    ``foreign``: block 1 calls ``proj`` (a module it does not hold); ``frozen_first``: block 0 is frozen;
+    ``reentrant``: each block call runs in a reentrant activation checkpoint."""
     import torch
     import torch.nn as nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.utils.checkpoint import checkpoint
 
     class Block(nn.Module):
         def __init__(self, owner=None):
@@ -86,13 +88,60 @@ def _toy(world, twice=False, foreign=False, frozen_first=False):
     fully_shard(model, mesh=mesh)
 
     def run(m, device):
-        h = torch.zeros(1, 4, device=device)
+        h = torch.zeros(1, 4, device=device, requires_grad=reentrant)  # (else the checkpoint runs no backward)
         blocks = [m.tower[0]] * (2 if twice else 1) + list(m.tower[1:])
         for block in blocks:
-            h = block(h)
+            h = checkpoint(block, h, use_reentrant=True) if reentrant else block(h)
         return m.proj(h)
 
     return model, run
+
+
+def _full(grad):
+    return grad.full_tensor() if hasattr(grad, "full_tensor") else grad  # (FSDP2 may leave a unit unsharded)
+
+
+def twice_in_checkpoints(rank, world):
+    """``{mode: {parameter: {"sharded": bool, "err": max |grad - DP reference|}}}`` for a root unit whose head
+    reads one unit block called twice, each call in an activation checkpoint (``"reentrant"``, ``"non-reentrant"``),
+    on different data per rank, after one backward, against an unsharded copy backpropagated on every rank's data
+    (the DP average)."""
+    import copy
+
+    import torch
+    import torch.nn as nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.utils.checkpoint import checkpoint
+
+    class Model(nn.Module):
+        def __init__(self, reentrant):
+            super().__init__()
+            self.block, self.head, self.reentrant = nn.Linear(4, 4), nn.Linear(4, 1), reentrant
+
+        def forward(self, a, b):
+            def block(x):
+                return checkpoint(self.block, x, use_reentrant=self.reentrant).relu()
+            return self.head(block(a) + block(b)).sum()
+
+    def data(r):
+        g = torch.Generator().manual_seed(r)
+        return [torch.randn(2, 4, generator=g, requires_grad=True) for _ in range(2)]
+
+    mesh = init_device_mesh("cpu", (world,))
+    out = {}
+    for mode in ("reentrant", "non-reentrant"):
+        torch.manual_seed(0)
+        model = Model(mode == "reentrant")
+        reference = copy.deepcopy(model)
+        fully_shard(model.block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        model(*data(rank)).backward()
+        for r in range(world):
+            (reference(*data(r)) / world).backward()
+        out[mode] = {n: {"sharded": hasattr(p, "full_tensor"), "err": float((_full(p.grad) - q.grad).abs().max())}
+                     for (n, p), (_, q) in zip(model.named_parameters(), reference.named_parameters())}
+    return out
 
 
 def toy_cases(rank, world, cases):
@@ -103,13 +152,15 @@ def toy_cases(rank, world, cases):
 
     out = {}
     for case in cases:
-        model, run = _toy(world, twice=case == "twice", foreign=case == "foreign",
-                          frozen_first=case == "frozen block")
+        model, run = _toy(world, twice=case.startswith("twice"), foreign=case == "foreign",
+                          frozen_first=case == "frozen block", reentrant=case == "twice reentrant")
         calls = _Counter(model.tower)
         trace, stop = _recorder()
         result = {"traces": [], "tower_calls": [], "walks": [], "why_not": [], "grads": []}
 
         def dummy(m, device):
+            if case.endswith("real dummy"):  # (every time: what an image rank's units do, for comparison)
+                return mixed_media._zero_of_output(run(m, device))
             z = unit_walk.zero(m, run, device, mixed_media._zero_of_output)
             return z if z is not None else torch.zeros((), device=device)
 
@@ -123,10 +174,11 @@ def toy_cases(rank, world, cases):
                     with torch.no_grad():
                         model(x, dummy)
                 else:
+                    model.set_requires_gradient_sync(mode != "train, sync off")
                     loss = model(x, dummy)
-                    if mode == "train":
+                    if mode.startswith("train"):
                         loss.backward()
-                        result["grads"].append({n: (None if p.grad is None else float(p.grad.full_tensor().abs().sum()))
+                        result["grads"].append({n: (None if p.grad is None else float(_full(p.grad).abs().sum()))
                                                 for n, p in model.named_parameters()})
                         model.zero_grad(set_to_none=True)
                 result["traces"].append(list(trace))
@@ -140,12 +192,16 @@ def toy_cases(rank, world, cases):
     return out
 
 
-# each toy case's forwards: "train" (forward + backward), "forward" (grad on, no backward), "no_grad"
+# each toy case's forwards: "train" (forward + backward), "train, sync off" (the same, FSDP2 not reducing),
+# "forward" (grad on, no backward), "no_grad"
 _MODES = {
     "walk": ("train", "train", "train"),
     "frozen block": ("train", "train"),
-    "twice": ("train", "train"),
+    "twice": ("train", "train", "train"),
+    "twice, sync off first": ("train, sync off", "train", "train"),
+    "twice, sync off first, real dummy": ("train, sync off", "train", "train"),
     "foreign": ("train", "train"),
+    "twice reentrant": ("train", "train"),
     "no backward": ("forward", "train", "train"),
     "no grad": ("no_grad", "no_grad", "train", "train"),
 }
