@@ -29,7 +29,8 @@ patched gradient equal to an unsharded reference.  One line per case:
   cost       ``benchmarks/text_only_cost.py``'s rows at Qwen2.5-VL-7B geometry
              (its 32-block tower, 4 text layers at 3584, its untied 152k
              vocabulary, bf16 parameters / fp32 reduce, 2048-token micro-batches,
-             median of 12 steps): text, the real dummy, the walk, an image
+             median of 12 steps): text, the real dummy, the walk, the collectives' floor,
+             an image
 
     python benchmarks/gpu_check.py                  # on the GPU (default --device cuda)
     python benchmarks/gpu_check.py --device cpu --quick
@@ -290,8 +291,7 @@ def main():
         return 1
     rows, text = result["rows"], result["rows"]["text"][0]
     print("cost      | %s" % json.dumps(result["geometry"]))
-    for row in ("text", "dummy", "walk", "image"):
-        seconds, ops = rows[row]
+    for row, (seconds, ops) in rows.items():  # (text_only_cost.ROWS, in order)
         print("cost      | %-5s %8.1f ms  %+8.1f ms (%+.2f of text)  %7d aten ops" % (
             row, 1e3 * seconds, 1e3 * (seconds - text), (seconds - text) / text, ops))
     return 0

@@ -14,10 +14,14 @@ root, fp32 on this machine's CPU, it times one forward + backward of:
   text   a text-only micro-batch, no fix (what an unpatched rank runs)
   dummy  the same plus the real dummy media path (the record, every time)
   walk   the same plus the walk
+  floor  the same plus only the vision units' collectives, issued directly: each unit's
+         ``unshard()`` / ``reshard()`` in forward, again in backward, and a reduce-scatter
+         of a zero the size of its parameters (what the walk must issue; its hooks
+         and autograd nodes are the difference)
   image  an image micro-batch (``--image`` pixels square)
 
-and prints, in one run: the median milliseconds, what dummy and walk add to
-text (ms, and as a fraction of text), walk / dummy, and the aten operators
+and prints, in one run: the median milliseconds, what dummy, walk and floor add
+to text (ms, and as a fraction of text), walk / dummy, walk / floor, and the aten operators
 each dispatches (forward + backward).  On one process (default) the units'
 collectives are local copies, so the added time is the fix's own compute and
 FSDP2's hooks; ``--ranks 2`` runs two gloo ranks (their collectives included;
@@ -39,7 +43,7 @@ import statistics
 import sys
 import time
 
-ROWS = ("text", "dummy", "walk", "image")
+ROWS = ("text", "dummy", "walk", "floor", "image")
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _cost import OpCounter, batches, build, shard  # noqa: E402,F401  (shared; gpu_check reads them here)
@@ -57,12 +61,48 @@ def with_fix(model, row):
     def add_zero(module, inputs, output):
         if row == "dummy":
             zero = mixed_media._zero_of_output(run(base, output.device))
+        elif row == "floor":
+            zero = _floor(getattr(base, media_towers.for_model(base).attr), output.device)
         else:
             zero = mixed_media.zero_contribution(base, output.device)
         return output if zero is None else output + zero.to(output.dtype)
 
     handle = base.get_input_embeddings().register_forward_hook(add_zero)
     return handle.remove
+
+
+def _floor(tower, device):
+    """A 0-dim zero whose forward and backward issue the tower's units' collectives and nothing else."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in tower.modules() if isinstance(m, FSDPModule)]
+
+    def collectives(reduce):
+        for unit in (reversed(units) if reduce else units):
+            unit.unshard()
+            if reduce:
+                own = [p for p in unit.parameters() if hasattr(p, "to_local")]  # (sharded: DTensors)
+                local = sum(p.to_local().numel() for p in own)
+                dtype = own[0].dtype if own else torch.float32
+                shard = torch.empty(local, dtype=dtype, device=device)
+                dist.reduce_scatter_tensor(shard, torch.zeros(local * dist.get_world_size(), dtype=dtype,
+                                                              device=device))
+            unit.reshard()
+
+    class Floor(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            collectives(reduce=False)
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            collectives(reduce=True)
+            return grad
+
+    return Floor.apply(torch.zeros((), device=device, requires_grad=True))
 
 
 def step(model, batch, sync=None):
@@ -79,7 +119,7 @@ def measure(model, family, runs, tokens, image_side, sync=None, device="cpu"):
     data = batches(model, family, tokens, image_side, device)
     out = {}
     for row in ROWS:
-        undo = with_fix(model, row) if row in ("dummy", "walk") else (lambda: None)
+        undo = with_fix(model, row) if row in ("dummy", "walk", "floor") else (lambda: None)
         try:
             batch = data["image" if row == "image" else "text"]
             step(model, batch, sync)  # warm-up (and the walk's record)
@@ -116,10 +156,10 @@ def report(results, label):
         added = seconds - text
         print("%-6s %10.1f %10s %12s %12d" % (row, 1e3 * seconds, "" if row == "text" else "%+.1f" % (1e3 * added),
                                              "" if row == "text" else "%.2f" % (added / text), ops))
-    dummy, walk = results["dummy"][0] - text, results["walk"][0] - text
-    print("walk / dummy, added time: %.3f; aten ops added: dummy %d, walk %d" % (
-        walk / dummy if dummy > 0 else float("nan"), results["dummy"][1] - results["text"][1],
-        results["walk"][1] - results["text"][1]))
+    dummy, walk, floor = (results[row][0] - text for row in ("dummy", "walk", "floor"))
+    print("added time: walk / dummy %.3f, walk / floor %.3f; aten ops added: dummy %d, walk %d, floor %d" % (
+        walk / dummy if dummy > 0 else float("nan"), walk / floor if floor > 0 else float("nan"),
+        *(results[row][1] - results["text"][1] for row in ("dummy", "walk", "floor"))))
 
 
 def main():

@@ -38,7 +38,8 @@ rank to the DP average, reentrant checkpointing included).
 
 Fails safe: what the record cannot mirror (a module called inside a unit that
 does not hold it; a unit recomputed only sometimes; nested checkpoints; a unit
-called n times whose gradient accumulated neither once nor n times, or at each
+called n times inside reentrant checkpoints, which FSDP2 itself leaves
+unreduced, or whose gradient accumulated neither once nor n times, or at each
 call when a call's input needed no gradient; an outer parameter gone or
 sharded when a walk starts) makes
 the record unusable, with the reason (``why_not``), before any collective of a
@@ -68,7 +69,7 @@ class _Call:
         self.recomputed = 0  # times backward ran it again
         self.children = []  # unit calls inside it
         self.params = []  # (weakref module, name): parameters it holds that received a gradient
-        self.own = False  # a unit called more than once that reduced at each call: its zero is its own
+        self.own = False  # a unit called more than once whose gradient accumulated at each call: its own zero
 
 
 class _Record:
@@ -230,8 +231,9 @@ class _Record:
         A gradient left by a micro-batch without gradient sync then changes what FSDP2 reduces alike on every
         rank: the count is of accumulations, not of reduces."""
         if any(call.recomputed and not call.grad_on for call in calls):
-            # torch 2.13.0, transformers 5.10.4 / 5.16.1, DeepSeek-OCR-2's layers: gradients off by 0.031 with
-            # every rank on images, no dummy run (docs/upstream-problems.md): nothing exact to mirror
+            # FSDP2 leaves such a unit unsharded and unreduced (torch 2.13.0 and 2.15.0; DeepSeek-OCR-2 on
+            # transformers 5.10.4 / 5.16.1: 0.031 off with every rank on images; docs/upstream-problems.md):
+            # the image ranks are wrong too, nothing exact to mirror
             self._refuse("the media path calls %s %d times inside reentrant activation checkpoints, whose "
                          "gradients FSDP2 does not reduce whole" % (type(unit).__name__, len(calls)))
             return
