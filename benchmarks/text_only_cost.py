@@ -78,6 +78,7 @@ def _floor(tower, device):
     from torch.distributed.fsdp import FSDPModule
 
     units = [m for m in tower.modules() if isinstance(m, FSDPModule)]
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # (renamed in 2.13)
 
     def collectives(reduce):
         for unit in (reversed(units) if reduce else units):
@@ -87,8 +88,7 @@ def _floor(tower, device):
                 local = sum(p.to_local().numel() for p in own)
                 dtype = own[0].dtype if own else torch.float32
                 shard = torch.empty(local, dtype=dtype, device=device)
-                dist.reduce_scatter_tensor(shard, torch.zeros(local * dist.get_world_size(), dtype=dtype,
-                                                              device=device))
+                scatter(shard, torch.zeros(local * dist.get_world_size(), dtype=dtype, device=device))
             unit.reshard()
 
     class Floor(torch.autograd.Function):

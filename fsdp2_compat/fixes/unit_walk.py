@@ -1,4 +1,4 @@
-"""A text-only micro-batch's dummy at the collectives' floor: record the dummy's units once, then walk them.
+"""A text-only micro-batch without the tower's code: record the dummy's units once, then walk their collectives.
 
 Why (issue #40): ``mixed_media`` keeps a text-only rank in the vision units'
 FSDP2 collectives by running the model's media path on a minimal dummy; on a

@@ -292,7 +292,8 @@ def _one_case(rank, world, framework, family, fused, patches, policy, sync, step
         scenarios.import_fsdp_utils(framework)  # the wrapping module first, as a trainer imports it
     model = _build(family, fused)
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"})
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"})
     if chunked:  # before sharding, as verl installs its forwards; restored after the run
         model_class = type(model)
         saved_forward = model_class.__dict__["forward"]

@@ -196,7 +196,8 @@ def test_text_only_cost_benchmark_runs():
     _needs("transformers")
     out = _run("text_only_cost.py", "--depth", "2", "--layers", "0", "--vocab", "512", "--tokens", "32", "--image",
                "56", "--runs", "1")
-    assert "walk / dummy" in out and "aten ops added" in out, out
+    assert "walk / dummy" in out and "walk / floor" in out and "aten ops added" in out, out
+    assert "\nfloor " in out, out
 
 
 @pytest.mark.depends_on("torch", "verl")
@@ -207,5 +208,5 @@ def test_gpu_check_runs_its_cases_on_the_cpu():
     out = _run("gpu_check.py", "--device", "cpu", "--quick", timeout=600)
     assert "selection | unpatched: RuntimeError: aten.grid_sampler_2d.default got mixed torch.Tensor and DTensor" \
         in out and "patched (glm4v): trains" in out, out
-    assert "cost      | walk" in out, out
+    assert "cost      | walk" in out and "cost      | floor" in out, out
     assert "offload_rotary | unpatched: trains" in out, out  # CPU buffers on a CPU run: what only a GPU can show
