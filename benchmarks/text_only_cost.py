@@ -80,13 +80,23 @@ def _floor(tower, device):
     units = [m for m in tower.modules() if isinstance(m, FSDPModule)]
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # (renamed in 2.13)
 
+    def shard_size(unit):
+        """(elements, dtype) of the shards of the parameters ``unit`` holds (not its nested units'); read while
+        sharded (after ``unshard()`` its parameters are plain tensors)."""
+        todo, params = [unit], []
+        while todo:
+            module = todo.pop()
+            params += [p for p in module._parameters.values() if p is not None]
+            todo += [c for c in module.children() if not isinstance(c, FSDPModule)]
+        return sum(p.to_local().numel() for p in params), (params[0].dtype if params else torch.float32)
+
+    sizes = [shard_size(unit) for unit in units]
+
     def collectives(reduce):
-        for unit in (reversed(units) if reduce else units):
+        order = list(zip(units, sizes))
+        for unit, (local, dtype) in (reversed(order) if reduce else order):
             unit.unshard()
             if reduce:
-                own = [p for p in unit.parameters() if hasattr(p, "to_local")]  # (sharded: DTensors)
-                local = sum(p.to_local().numel() for p in own)
-                dtype = own[0].dtype if own else torch.float32
                 shard = torch.empty(local, dtype=dtype, device=device)
                 scatter(shard, torch.zeros(local * dist.get_world_size(), dtype=dtype, device=device))
             unit.reshard()

@@ -1,13 +1,13 @@
 """MoE experts that one rank's tokens never reach: every rank reduce-scatters every expert.
 
-The bug (pytorch issue #171355, SkyRL issue #1297 / PR #1370): transformers 4.x keeps a MoE layer's routed
-experts as an ``nn.ModuleList`` and runs only the experts some token of this micro-batch reaches
+The bug (pytorch issue #171355, SkyRL issue #1297 / PR #1370): transformers 4.x keeps a MoE layer's routed experts
+as an ``nn.ModuleList`` and runs only the experts some token of this micro-batch reaches
 (``Qwen3MoeSparseMoeBlock.forward``: ``for expert_idx in expert_hit``; ``Glm4vMoeTextMoE.moe``: ``if
 token_indices.numel() > 0``), so an unreached expert has no gradient here.  FSDP2's
 ``FSDPParamGroup.post_backward`` reduce-scatters only the parameters that have a gradient, so two ranks whose
 tokens reached different experts issue reduce-scatters of different sizes inside the same unit: gloo aborts
-("Received data size doesn't match expected size"), NCCL hangs or completes with gradients summed across the
-wrong parameters.  transformers 5.x stores 3-D experts: every rank has every gradient, nothing is wrong there.
+("Received data size doesn't match expected size"), NCCL hangs or completes with gradients summed across the wrong
+parameters.  transformers 5.x stores 3-D experts: every rank has every gradient, nothing is wrong there.
 
 The fix, at FSDP2's unit (one fix for every trainer): the units that hold a skipping MoE block's experts
 reduce-scatter every parameter of their all-gather, an exact zero for one without a gradient on this rank:
@@ -19,20 +19,20 @@ parameter (``benchmarks/moe_experts.py``).  It holds with gradient checkpointing
 (``tests/integrations/test_moe_checkpointing.py``); torch 2.6-2.12's recompute without FSDP2's input cast is
 another bug (``integrations.torch_fsdp.RECOMPUTE_CAST``).
 
-Why not the model: a zero contribution of every expert to the block's output would also work (and on DDP),
-but adds a gradient to accumulate for every expert on every micro-batch; the flag adds work only for the
-experts not reached, and touches no tensor of the forward.
+Why not the model: a zero contribution of every expert to the block's output would also work (and on DDP), but adds
+a gradient to accumulate for every expert on every micro-batch; the flag adds work only for the experts not
+reached, and touches no tensor of the forward.
 
-Where the units are found: the targets (``integrations.transformers_moe``) wrap the method that holds the
-skipping loop; before it runs, the wrapper finds the units that manage the block's expert parameters (once per
-block; a block found in no unit is looked for again on its next call, since a model may run a forward before
-it is sharded) and sets the flag.  Every rank runs every MoE block's forward, so every rank marks the same
-units, before their first backward.
+Where the units are found: the targets (``integrations.transformers_moe``) wrap the method that holds the skipping
+loop; before it runs, the wrapper finds the units that manage the block's expert parameters (once per block; a
+block found in no unit is looked for again on its next call, since a model may run a forward before it is sharded)
+and sets the flag.  Every rank runs every MoE block's forward, so every rank marks the same units, before their
+first backward.
 
-Side effect, by design (as torch's flag and 5.x's 3-D experts): an expert no token on *any* rank reached gets
-an exactly-zero gradient instead of none, so AdamW steps it as on a step where it was reached.
-Not covered, said once per block class in a warning: experts sharded as units of their own (an unreached
-expert's unit skips its all-gather on this rank, a forward collective no flag can align).
+Side effect, by design (as torch's flag and 5.x's 3-D experts): an expert no token on *any* rank reached gets an
+exactly-zero gradient instead of none, so AdamW steps it as on a step where it was reached. Not covered, said once
+per block class in a warning: experts sharded as units of their own (an unreached expert's unit skips its
+all-gather on this rank, a forward collective no flag can align).
 
 Fails safe: the targets are fingerprinted per transformers release; a block whose experts FSDP2 does not
 manage is left alone.  Revert restores transformers' methods; units already marked keep the flag, as a model

@@ -22,8 +22,7 @@ under it, so that forward runs as released only on transformers
    of that function drops the text row for the transformers that predate the
    4-row contract; the GLM4V copy never got that branch.
 
-Seams (``wrapt.FunctionWrapper`` around verl's functions; the rest of verl's
-forward runs as released):
+Seams (``wrapt.FunctionWrapper`` around verl's functions; the rest of verl's forward runs as released):
 
 - ``vision_output_seam`` (``_get_input_embeds``; its rule also serves verl's
   Qwen2-VL ``_get_input_embeds``, whose text-only dummy branch has the same
@@ -40,9 +39,8 @@ forward runs as released):
   asserts 2-D position ids, which 4.x's text model never passes to its layers;
   that flash-attention path is not changed here.
 
-Each seam decides once, when verl's module is imported, from the installed
-transformers, and raises ``NotNeeded`` where transformers already does what
-it adapts (status then says "not needed", not a no-op "applied").
+Each seam decides once, when verl's module is imported, from the installed transformers, and raises ``NotNeeded``
+where transformers already does what it adapts (status then says "not needed", not a no-op "applied").
 
 Fails safe: both targets are fingerprinted per verl release; changed code is
 refused and left alone.  Delete when verl's GLM4V forward unpacks the vision

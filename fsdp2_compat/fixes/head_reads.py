@@ -1,8 +1,7 @@
 """Output heads read outside their unit's forward by TRL's and axolotl's losses: unshard the unit first.
 
-The mechanism is ``fsdp2_compat.fixes.gather``'s (FSDP's own unsharded
-parameter, ``param_dtype``, its gradient averaged by the unit's post-backward);
-the targets (where, which releases) are in ``integrations.trl`` and
+The mechanism is ``fsdp2_compat.fixes.gather``'s (FSDP's own unsharded parameter, ``param_dtype``, its gradient
+averaged by the unit's post-backward); the targets (where, which releases) are in ``integrations.trl`` and
 ``integrations.axolotl``.
 
 TRL (``TRL_HEAD_READS``):
@@ -26,14 +25,12 @@ TRL (``TRL_HEAD_READS``):
   run unfixed in silence.  The teacher is left alone: accelerate prepares it
   without sharding, and its read has no gradient.
 
-axolotl's KD trainer (``KD_HEAD``): ``resolved_head_seam`` wraps
-``_resolve_lm_head`` (called right after the forward, as a module global of
-``compute_loss``): the head it returns has its weight unsharded through the
-FSDP2 unit that manages it (``gather.gather_enclosed``: the root there, or the
-head's own unit); the root's post-backward then reduce-scatters (averages) its
-gradient.  Before the first forward (no unit initialised) the head is left as
-it is; under ``no_grad`` the unit stays unsharded until its next forward
-reshards it (the seam returns a module; there is no exit to reshard at).
+axolotl's KD trainer (``KD_HEAD``): ``resolved_head_seam`` wraps ``_resolve_lm_head`` (called right after the
+forward, as a module global of ``compute_loss``): the head it returns has its weight unsharded through the FSDP2
+unit that manages it (``gather.gather_enclosed``: the root there, or the head's own unit); the root's post-backward
+then reduce-scatters (averages) its gradient.  Before the first forward (no unit initialised) the head is left as
+it is; under ``no_grad`` the unit stays unsharded until its next forward reshards it (the seam returns a module;
+there is no exit to reshard at).
 
 Fails safe: a head whose weight is a plain tensor (no FSDP, or already
 unsharded by an enclosing unit's forward) is left as it is; a sharded head that

@@ -1,51 +1,38 @@
 """Mixed text/image micro-batches across data-parallel ranks: every rank runs the media tower's collectives.
 
-The bug (FSDP2's third class; TRL #3934, miles #2406, torchtitan #4777): a
-transformers forward runs the vision tower only when its micro-batch has
-media, so a text-only rank skips every vision unit's all-gather (and the
-enclosing unit reduce-scatters fewer gradients) while an image rank issues
-them: NCCL hangs, gloo aborts ("Received data size doesn't match expected
-size").
+The bug (FSDP2's third class; TRL #3934, miles #2406, torchtitan #4777): a transformers forward runs the vision
+tower only when its micro-batch has media, so a text-only rank skips every vision unit's all-gather (and the
+enclosing unit reduce-scatters fewer gradients) while an image rank issues them: NCCL hangs, gloo aborts ("Received
+data size doesn't match expected size").
 
-The fix: on a micro-batch without media, the model's own media path runs on a
-minimal dummy (per tower kind in ``media_towers``, which says why each dummy is
-valid) right where the real one runs, after the token embedding, and
-``0 * sum(every floating output)`` joins the input embeddings: the same
-collectives in the same order as an image rank, an exact zero in every
-gradient (what verl's own forwards do, "handle mixed text-image data").  From a
-model's second text-only micro-batch on, ``unit_walk`` issues the recorded
-dummy's collectives without the tower's code (a GPU tower call costs latency,
-not FLOPs: ``benchmarks/text_only_cost.py``, ``benchmarks/gpu_check.py``).
+The fix: on a micro-batch without media, the model's own media path runs on a minimal dummy (per tower kind in
+``media_towers``, which says why each dummy is valid) right where the real one runs, after the token embedding, and
+``0 * sum(every floating output)`` joins the input embeddings: the same collectives in the same order as an image
+rank, an exact zero in every gradient (what verl's own forwards do, "handle mixed text-image data").  From a
+model's second text-only micro-batch on, ``unit_walk`` issues the recorded dummy's collectives without the tower's
+code (a GPU tower call costs latency, not FLOPs: ``benchmarks/text_only_cost.py``, ``benchmarks/gpu_check.py``).
 
-The seam is the transformers base model's ``forward`` (targets in
-``integrations.transformers_media``): the one function every trainer calls
-whatever wraps the model, where the tower is skipped (``get_image_features`` is
-never called on text).  verl's ``apply_monkey_patch`` replaces it with its own
-forward, which runs its own dummy: ours is then off the class (``needed_for``).
-lmms-engine's ``use_rmpad`` forwards replace it without one: the same wrapper
-goes on lmms-engine's function before it is assigned.  For one call the wrapper
-hooks the token embedding the forward calls first and adds the zero to its
-output (to ``inputs_embeds`` when the caller passes them).  It runs only with
-more than one rank, no media, no cached decoding step, and a tower FSDP2
-manages (units of its own or an enclosing one).
+The seam is the transformers base model's ``forward`` (targets in ``integrations.transformers_media``): the one
+function every trainer calls whatever wraps the model, where the tower is skipped (``get_image_features`` is never
+called on text).  verl's ``apply_monkey_patch`` replaces it with its own forward, which runs its own dummy: ours is
+then off the class (``needed_for``). lmms-engine's ``use_rmpad`` forwards replace it without one: the same wrapper
+goes on lmms-engine's function before it is assigned.  For one call the wrapper hooks the token embedding the
+forward calls first and adds the zero to its output (to ``inputs_embeds`` when the caller passes them).  It runs
+only with more than one rank, no media, no cached decoding step, and a tower FSDP2 manages (units of its own or an
+enclosing one).
 
-A caller that runs the tower itself and passes ``inputs_embeds`` (ms-swift's
-Qwen2-VL templates) already keeps its rank in the collectives: a forward hook
-counts the tower's calls outside backward, and such a micro-batch gets no dummy
-when the tower ran since the model's previous forward returned (uniform from a
-model's second micro-batch on).  Images *and* videos on one rank: one tower call
-for both (``media_merge``).  Step-3.7 / DeepSeek-OCR-2 run the tower again for
-local crops: a micro-batch without crops runs a dummy crop (``Tower.pad``).
-GLM-Image runs its tower and VQ tokenizer before the embedding: its dummy runs at
-the forward's entry and adds nothing (``Tower.first``), and a media micro-batch
-tokenizes its images in one call (``Tower.around``, ``vq_tokens``).
+A caller that runs the tower itself and passes ``inputs_embeds`` (ms-swift's Qwen2-VL templates) already keeps its
+rank in the collectives: a forward hook counts the tower's calls outside backward, and such a micro-batch gets no
+dummy when the tower ran since the model's previous forward returned (uniform from a model's second micro-batch
+on).  Images *and* videos on one rank: one tower call for both (``media_merge``).  Step-3.7 / DeepSeek-OCR-2 run
+the tower again for local crops: a micro-batch without crops runs a dummy crop (``Tower.pad``). GLM-Image runs its
+tower and VQ tokenizer before the embedding: its dummy runs at the forward's entry and adds nothing
+(``Tower.first``), and a media micro-batch tokenizes its images in one call (``Tower.around``, ``vq_tokens``).
 
-By design (verl's forwards too): on a step where every rank is text-only the
-tower gets exact-zero gradients instead of none (AdamW then updates it as on any
-step where another rank's image reached it).  Fails safe: targets are
-fingerprinted per transformers release; a model whose tower or config
-``media_towers`` does not know is left alone with one warning per class naming
-why.  Details and proofs: docs/how-it-works.md.
+By design (verl's forwards too): on a step where every rank is text-only the tower gets exact-zero gradients
+instead of none (AdamW then updates it as on any step where another rank's image reached it).  Fails safe: targets
+are fingerprinted per transformers release; a model whose tower or config ``media_towers`` does not know is left
+alone with one warning per class naming why.  Details and proofs: docs/how-it-works.md.
 
 Delete when: transformers (or every trainer you run) keeps every rank in the
 vision tower's collectives on text-only micro-batches, or torch FSDP2 tolerates

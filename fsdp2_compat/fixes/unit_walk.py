@@ -1,50 +1,37 @@
 """A text-only micro-batch without the tower's code: record the dummy's units once, then walk their collectives.
 
-Why (issue #40): ``mixed_media`` keeps a text-only rank in the vision units'
-FSDP2 collectives by running the model's media path on a minimal dummy; on a
-GPU a tower call costs latency, not FLOPs (Qwen2.5-VL-7B's tower made a
-text-only step 288 ms instead of 76 on an H200).  A text-only rank needs only
-what the units do: all-gather each one (in forward, again in backward),
-reduce-scatter what it holds, in an image rank's order, adding an exact zero.
+Why (issue #40): ``mixed_media`` keeps a text-only rank in the vision units' FSDP2 collectives by running the
+model's media path on a minimal dummy; on a GPU a tower call costs latency, not FLOPs (Qwen2.5-VL-7B's tower made
+a text-only step 288 ms instead of 76 on an H200).  A text-only rank needs only what the units do: all-gather
+each one (in forward, again in backward), reduce-scatter what it holds, in an image rank's order, adding an
+exact zero.
 
-1. Record (a model's first text-only micro-batch, per dummy and mode): the
-   real dummy runs, observed: the FSDP2 units it calls, in order and nesting;
-   whether each call's inputs required a gradient (FSDP2 then reduces inline,
-   else after backward), whether a gradient reached its outputs, whether
-   backward recomputed it (reentrant checkpoint: its forward ran without grad);
-   the parameters that received a gradient, per unit, and those outside every
-   unit (held by a unit around the tower, already unsharded: read from the
-   dummy's graph, and from the modules it called outside unit calls, whose
-   parameters a reentrant checkpoint keeps out of that graph); for a unit
-   called more than once (Step-3.7's and DeepSeek-OCR-2's view, then crop),
-   whether autograd accumulated its gradient once or at each call.  Complete
-   at the end of the backward that reaches it (at once without grad).
-2. Walk (every later one): each recorded unit is called through its own
-   ``nn.Module.__call__``, so FSDP2's hooks do what they do for any forward,
-   with its ``forward`` replaced for that call by a copy of a 0-dim zero
-   through an autograd function whose backward gives each recorded parameter an
-   exact-zero gradient (it reads no parameter); inputs and outputs require a
-   gradient where the real ones did, a call runs checkpointed (reentrant) or
-   without grad where the real one did; a unit whose calls each accumulated
-   gets its zero written at each call, so FSDP2 reduces it as often.  No tower
-   code runs.
+1. Record (a model's first text-only micro-batch, per dummy and mode): the real dummy runs, observed: the units
+   it calls, in order and nesting; whether each call's inputs required a gradient (FSDP2 then reduces inline,
+   else after backward), whether a gradient reached its outputs, whether backward recomputed it (reentrant
+   checkpoint: its forward ran without grad); the parameters that received a gradient, per unit, and outside
+   every unit (held by a unit around the tower, already unsharded: the leaves of the dummy's graph, and the
+   parameters of modules it called outside unit calls, which a reentrant checkpoint keeps out of that graph);
+   for a unit called more than once (Step-3.7's and DeepSeek-OCR-2's view, then crop), whether autograd
+   accumulated its gradient once or at each call.  Complete at the end of the backward that reaches it.
+2. Walk (every later one): each recorded unit is called through its own ``nn.Module.__call__``, so FSDP2's
+   hooks do what they do for any forward, with its ``forward`` replaced for that call by a copy of a 0-dim zero
+   through an autograd function whose backward gives each recorded parameter an exact-zero gradient (it reads
+   no parameter); inputs and outputs require a gradient where the real ones did, a call runs checkpointed
+   (reentrant) or without grad where the real one did, a unit that accumulated at each call gets its zero
+   written at each call (FSDP2 reduces it as often).  No tower code runs.
 
-Every rank decides alone and alike (the record depends on the model and the
-dummy, never on the data): a walking rank agrees with a recording one and
-with an image rank (``tests/fixes/test_unit_walk.py`` compares the collective
-sequences on every family with a tower, checkpointing off / reentrant /
-non-reentrant; the mixed-ranks tests train a walking rank beside an image
-rank to the DP average, reentrant checkpointing included).
+Every rank decides alone and alike (the record depends on the model and the dummy, never on the data):
+``tests/fixes/test_unit_walk.py`` compares an image rank's, a recording rank's and a walking rank's collectives
+on every family with a tower, checkpointing off / reentrant / non-reentrant; the mixed-ranks tests train a
+walking rank beside an image rank to the DP average.
 
-Fails safe: what the record cannot mirror (a module called inside a unit that
-does not hold it; a unit recomputed only sometimes; nested checkpoints; a unit
-called n times inside reentrant checkpoints, which FSDP2 itself leaves
-unreduced, or whose gradient accumulated neither once nor n times, or at each
-call when a call's input needed no gradient; an outer parameter gone or
-sharded when a walk starts) makes
-the record unusable, with the reason (``why_not``), before any collective of a
-walk: that model keeps the real dummy.  A record whose backward never came is
-made again.  Delete with ``fixes.mixed_media``.
+Fails safe: what the record cannot mirror (a module called inside a unit that does not hold it; a unit
+recomputed only sometimes; nested checkpoints; a unit called n times inside reentrant checkpoints, which FSDP2
+itself leaves unreduced, or whose gradient accumulated neither once nor n times, or at each call when a call's
+input needed no gradient; an outer parameter gone or sharded when a walk starts) makes the record unusable,
+with the reason (``why_not``), before any collective of a walk: that model keeps the real dummy.  A record whose
+backward never came is made again.  Delete with ``fixes.mixed_media``.
 """
 
 import weakref
@@ -218,18 +205,14 @@ class _Record:
         STATS["unusable"] += bool(self.why_not)
 
     def _called_again(self, unit, calls):
-        """Mirror a unit the media path calls more than once (Step-3.7's and DeepSeek-OCR-2's view, then crop).
-
-        FSDP2 reduces a unit at a call's post-backward when its parameters hold a gradient then, and the calls
-        share each parameter's accumulation: autograd accumulates once, after every call's backward, unless
-        each call's backward is a nested one.  Which it is depends on autograd's schedule, not on the record
-        (Step-3.7, transformers 5.24.0, torch 2.15.0: once without gradient checkpointing or with
-        non-reentrant, once per call with transformers' reentrant checkpointing of the text layers), so the
-        record counts the accumulations and the walk does the same: once (the calls' zero gradients accumulate
-        together) or at each call (each call writes its own zero before its post-backward; needs each call's
-        input to require a gradient, so that a call's post-backward runs before the previous call's backward).
-        A gradient left by a micro-batch without gradient sync then changes what FSDP2 reduces alike on every
-        rank: the count is of accumulations, not of reduces."""
+        """Mirror a unit the media path calls more than once.  FSDP2 reduces it at a call's post-backward when its
+        parameters hold a gradient then; the calls share each parameter's accumulation, done once after every
+        call's backward unless each call's backward is a nested one, which depends on autograd's schedule
+        (Step-3.7 on transformers 5.24.0: once without checkpointing or non-reentrant, at each call with the
+        text layers reentrant).  So the walk accumulates as often as the record counted (at each call: needs
+        every call's input to require a gradient, so a call's post-backward precedes the previous call's
+        backward).  Accumulations, not reduces, are counted: a gradient left by a micro-batch without sync
+        changes the reduces alike on every rank."""
         if any(call.recomputed and not call.grad_on for call in calls):
             # FSDP2 leaves such a unit unsharded and unreduced (torch 2.13.0 and 2.15.0; DeepSeek-OCR-2 on
             # transformers 5.10.4 / 5.16.1: 0.031 off with every rank on images; docs/upstream-problems.md):
@@ -281,7 +264,10 @@ _FUNCTIONS = {}
 
 
 def _functions():
-    """The walk's two autograd functions (made on first use: torch is imported then)."""
+    """The walk's autograd functions (made on first use: torch is imported then), each a copy of its input.
+    "shared": its backward gives each parameter passed an exact-zero gradient of its shape and dtype (through
+    autograd's accumulation); "own": its backward writes one into each parameter named by ``refs`` that has
+    none (resolved then), so the parameter's other calls do not hold it back."""
     if not _FUNCTIONS:
         import torch
 
@@ -304,7 +290,7 @@ def _functions():
 
             @staticmethod
             def backward(ctx, grad):
-                for p in _resolve_or_raise(ctx.refs):  # unsharded again now: its pre-backward ran
+                for p in _resolve(ctx.refs, strict=True):  # unsharded again now: its pre-backward ran
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
                 return grad, None
@@ -313,30 +299,11 @@ def _functions():
     return _FUNCTIONS
 
 
-def _zero_grads(x, params):
-    """``x`` copied, through an autograd function whose backward gives each of ``params`` an exact-zero gradient
-    of its shape and dtype (and ``x`` what it receives); its forward reads no parameter."""
-    return _functions()["shared"](x, *params)
-
-
-def _own_zero_grads(x, refs):
-    """``x`` copied, through an autograd function whose backward writes an exact-zero gradient into each of the
-    parameters ``refs`` names that has none (resolved then): not through autograd's accumulation, which the
-    parameter's other calls would hold back until their own backward ran."""
-    return _functions()["own"](x, refs)
-
-
-def _resolve(refs):
+def _resolve(refs, strict=False):
     params = [None if m() is None else m()._parameters.get(name) for m, name in refs]
+    if strict and any(p is None for p in params):  # (a module deleted from a live model)
+        raise RuntimeError("fsdp2-compat: a parameter the walk recorded is gone")
     return None if any(p is None for p in params) else params
-
-
-def _resolve_or_raise(refs, unit=None):
-    params = _resolve(refs)
-    if params is None:  # (a module deleted from a live model)
-        raise RuntimeError("fsdp2-compat: a recorded parameter%s is gone" % (
-            "" if unit is None else " of %s" % type(unit).__name__))
-    return params
 
 
 def _through_hooks(unit, fake, x):
@@ -363,8 +330,8 @@ def _walk_call(call, x):
     def fake(t):
         out = _walk_calls(call.children, t, t.device)
         if call.own:
-            return _own_zero_grads(out, call.params)
-        return _zero_grads(out, _resolve_or_raise(call.params, unit))
+            return _functions()["own"](out, call.params)
+        return _functions()["shared"](out, *_resolve(call.params, strict=True))
 
     def run(t):
         return _through_hooks(unit, fake, t)
@@ -455,7 +422,7 @@ def _walk(record, device):
         record.why_not = "a parameter the media path reads outside its units is gone or sharded at the dummy"
         STATS["unusable"] += 1
         return None
-    return _walk_calls(record.calls, _zero_grads(torch.zeros((), device=device), outer), device)
+    return _walk_calls(record.calls, _functions()["shared"](torch.zeros((), device=device), *outer), device)
 
 
 def _is_dtensor(t):

@@ -1,28 +1,21 @@
 """verl's own Qwen-VL forwards: one vision-tower call for a micro-batch with images and videos.
 
-The bug (issue #20, the mixed-kinds half, inside verl): ``apply_monkey_patch``
-replaces transformers' Qwen2-VL / Qwen2.5-VL / Qwen3-VL(-MoE) model forwards
-with verl's own (``qwen2_vl_base_forward``, ``qwen3_vl_base_forward``, 0.6.0+),
-whose ``_get_input_embeds`` calls ``model.visual`` itself: once for the
-images, once more for the videos.  A rank whose micro-batch carries both
-kinds all-gathers every vision unit twice (and reduce-scatters twice in
-backward); a rank with one kind, or text only (verl's own dummy), once.  NCCL
-hangs, gloo aborts ("Received data size doesn't match expected size").
-fsdp2-compat's transformers-level merge (``fixes.media_merge``) never sees
+The bug (issue #20, the mixed-kinds half, inside verl): ``apply_monkey_patch`` replaces transformers' Qwen2-VL /
+Qwen2.5-VL / Qwen3-VL(-MoE) model forwards with verl's own (``qwen2_vl_base_forward``, ``qwen3_vl_base_forward``,
+0.6.0+), whose ``_get_input_embeds`` calls ``model.visual`` itself: once for the images, once more for the videos.
+A rank whose micro-batch carries both kinds all-gathers every vision unit twice (and reduce-scatters twice in
+backward); a rank with one kind, or text only (verl's own dummy), once.  NCCL hangs, gloo aborts ("Received data
+size doesn't match expected size"). fsdp2-compat's transformers-level merge (``fixes.media_merge``) never sees
 these calls: verl's forward replaced the one it wraps.
 
-The fix: for one call of verl's ``_get_input_embeds`` whose arguments carry
-images and videos, the vision tower's ``forward`` (an instance attribute for
-the duration of the call, so ``nn.Module.__call__`` and every hook run as
-usual) runs once, on both kinds' patches concatenated with their grids
-concatenated in the same order, when verl asks for the first kind; each of
-verl's two calls gets its part of that one output (``media_merge.split``,
-whatever structure the release returns).  Why the parts equal two calls: the
-Qwen towers treat each ``[t, h, w]`` grid item on its own (``media_merge``'s
-docstring).  The second call issues no collective, which needs the tower
-module itself to be no FSDP unit (its blocks are: verl wraps
-``_no_split_modules``); a tower that is a unit is left as released, with a
-warning.
+The fix: for one call of verl's ``_get_input_embeds`` whose arguments carry images and videos, the vision tower's
+``forward`` (an instance attribute for the duration of the call, so ``nn.Module.__call__`` and every hook run as
+usual) runs once, on both kinds' patches concatenated with their grids concatenated in the same order, when verl
+asks for the first kind; each of verl's two calls gets its part of that one output (``media_merge.split``, whatever
+structure the release returns).  Why the parts equal two calls: the Qwen towers treat each ``[t, h, w]`` grid item
+on its own (``media_merge``'s docstring).  The second call issues no collective, which needs the tower module
+itself to be no FSDP unit (its blocks are: verl wraps ``_no_split_modules``); a tower that is a unit is left as
+released, with a warning.
 
 Why this seam: ``_get_input_embeds`` is the one function of verl's forwards
 that calls the tower, with the grids that tell the two kinds apart; wrapping

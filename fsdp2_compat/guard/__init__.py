@@ -1,25 +1,19 @@
 """The run-time rank-divergence guard (``FSDP2_COMPAT_GUARD=1``): name a collective mismatch instead of hanging.
 
-FSDP2 assumes every rank runs the same units in the same order with the same
-parameters: each unit all-gathers its parameters before its forward (and
-again before its backward) and reduce-scatters the ones that got a gradient.
-When one rank's micro-batch skips a unit (a vision tower on a text-only
-micro-batch), runs it once more (an image and a video: the tower once per
-kind) or leaves a parameter of a unit without a gradient (an MoE expert no
-token on that rank reached), the ranks issue different collectives: NCCL
-waits until its watchdog fires, gloo aborts with ``Received data size doesn't
-match expected size``; neither names the module.
+FSDP2 assumes every rank runs the same units in the same order with the same parameters: each unit all-gathers its
+parameters before its forward (and again before its backward) and reduce-scatters the ones that got a gradient.
+When one rank's micro-batch skips a unit (a vision tower on a text-only micro-batch), runs it once more (an image
+and a video: the tower once per kind) or leaves a parameter of a unit without a gradient (an MoE expert no token on
+that rank reached), the ranks issue different collectives: NCCL waits until its watchdog fires, gloo aborts with
+``Received data size doesn't match expected size``; neither names the module.
 
-With the guard on, right before each of those collectives every rank
-contributes four integers (what it is about to do, a hash of the unit's path,
-how many parameters, a hash of their names) to one tiny all-gather on the
-same process group.  Equal everywhere: the collective runs as it would have.
-Different: every rank exchanges a description (``all_gather_object``) and
-raises ``GuardError`` at the same point, naming the unit's module path, what
-each rank was about to do, the likely cause and the patch that covers it
-(read from the catalogue at that moment), or that none does.  The ranks
-leave the collective in step, so the error is the first thing printed, within
-the step it happens in.
+With the guard on, right before each of those collectives every rank contributes four integers (what it is about to
+do, a hash of the unit's path, how many parameters, a hash of their names) to one tiny all-gather on the same
+process group.  Equal everywhere: the collective runs as it would have. Different: every rank exchanges a
+description (``all_gather_object``) and raises ``GuardError`` at the same point, naming the unit's module path,
+what each rank was about to do, the likely cause and the patch that covers it (read from the catalogue at that
+moment), or that none does.  The ranks leave the collective in step, so the error is the first thing printed,
+within the step it happens in.
 
 Contract:
 

@@ -1,14 +1,11 @@
 """accelerate: the FSDP2 preparation under the HF Trainer, TRL, axolotl (``fsdp2_prepare_model``).
 
-``accelerate.utils.fsdp_utils.fsdp2_prepare_model`` shards a model for
-``Accelerator.prepare`` whenever the FSDP plugin says ``fsdp_version=2``:
-transformers' ``Trainer`` (``TrainingArguments.fsdp``), every TRL trainer,
-axolotl and LLaMA-Factory's v0 trainer go through it.  From 1.14.0 (PR
-#4015) it gives the model's end a unit of its own, ``[final_norm, head]``
-with ``reshard_after_forward=False``, so that the norm's forward unshards the
-head and code reading ``lm_head.weight`` inside the model's forward gets a
-full weight whose gradient FSDP averages.  Two bugs, each fixed by one
-target here (mechanisms in ``fsdp2_compat.fixes.tail_unit``):
+``accelerate.utils.fsdp_utils.fsdp2_prepare_model`` shards a model for ``Accelerator.prepare`` whenever the FSDP
+plugin says ``fsdp_version=2``: transformers' ``Trainer`` (``TrainingArguments.fsdp``), every TRL trainer, axolotl
+and LLaMA-Factory's v0 trainer go through it.  From 1.14.0 (PR #4015) it gives the model's end a unit of its own,
+``[final_norm, head]`` with ``reshard_after_forward=False``, so that the norm's forward unshards the head and code
+reading ``lm_head.weight`` inside the model's forward gets a full weight whose gradient FSDP averages.  Two bugs,
+each fixed by one target here (mechanisms in ``fsdp2_compat.fixes.tail_unit``):
 
 - ``TIED_TAIL`` (1.14.0): tied embeddings get the unit ``[final_norm,
   input_embed]`` and the tied head stays in the root unit: one parameter in
@@ -29,9 +26,8 @@ target here (mechanisms in ``fsdp2_compat.fixes.tail_unit``):
   The seam adds the decoder's final norm (``get_decoder()`` /
   ``language_model``), the norm a text model's unit already holds.
 
-Callers import ``fsdp2_prepare_model`` by name (``accelerate.utils``,
-``accelerate.accelerator``): the engine rebinds them.  ``_find_final_norm``
-is looked up as a module global at call time.
+Callers import ``fsdp2_prepare_model`` by name (``accelerate.utils``, ``accelerate.accelerator``): the engine
+rebinds them.  ``_find_final_norm`` is looked up as a module global at call time.
 
 Upstream: accelerate PR #4015, PR #4171; no accelerate issue for the VLM norm
 yet.  Delete when every accelerate you run is >= 1.15.0 (``TIED_TAIL``) and

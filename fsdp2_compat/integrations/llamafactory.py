@@ -23,16 +23,16 @@ imports ``prepare_model``, ``fully_shard`` or ``get_transformer_layer_cls`` by n
    in the root unit (real-size GLM-4.5V: 98.8 % of the parameters in the root unit with it, 99.4 % without;
    Qwen2.5-7B text 7.2 % either way).  It fixes ``PeftModel`` text models on 5.x; VLMs get a vision-layer unit.
 
-The crash fix does not need the lookup fix, nor the reverse (with the lookup alone LFM2-VL fails at wrap time:
-the first listed class is ``Siglip2VisionEmbeddings`` and upstream then shards its child ``position_embedding``).
-Every selection patch carries both; ``qwen3vl``, ``qwen2vl`` and ``qwen35`` carry the lookup alone (without it
-Qwen3-VL's vision blocks stay in the root unit and in bf16 its first image forward fails, ``mixed dtype (CPU)`` in
-a vision LayerNorm: ``tests/integrations/test_grad_accumulation.py``).
+The crash fix does not need the lookup fix, nor the reverse (with the lookup alone LFM2-VL fails at wrap time: the
+first listed class is ``Siglip2VisionEmbeddings`` and upstream then shards its child ``position_embedding``). Every
+selection patch carries both; ``qwen3vl``, ``qwen2vl`` and ``qwen35`` carry the lookup alone (without it Qwen3-VL's
+vision blocks stay in the root unit and in bf16 its first image forward fails, ``mixed dtype (CPU)`` in a vision
+LayerNorm: ``tests/integrations/test_grad_accumulation.py``).
 
 Upstream: main rewrote ``get_transformer_layer_cls`` in PR #10656 (2026-07-31; every ``.layers`` / ``.blocks``
-class), in no release.  Main still gives every untied ``nn.Embedding`` a unit: the next release needs the
-selection target under a new fingerprint (main's ``prepare_model`` adds ``ignored_params``: check then the
-arguments of an untied input embedding the seam adds).  The rule is SkyRL's fix (issue #2087 / PR #2088).
+class), in no release.  Main still gives every untied ``nn.Embedding`` a unit: the next release needs the selection
+target under a new fingerprint (main's ``prepare_model`` adds ``ignored_params``: check then the arguments of an
+untied input embedding the seam adds).  The rule is SkyRL's fix (issue #2087 / PR #2088).
 
 Fails safe: each target applies only on its recorded fingerprint (else refused, nothing touched);
 ``inline_selection.method_seam`` raises ``Drift`` when ``fully_shard`` is not a module global; outside a

@@ -1,9 +1,9 @@
 """ms-swift: every FSDP2 path it shares with the transformers forwards and accelerate is fixed there; no seam here.
 
-ms-swift trains with ``--fsdp fsdp2`` through accelerate (``fsdp2_prepare_model``, ``TRANSFORMER_BASED_WRAP``:
-the ``_no_split_modules`` layer classes as units, and from accelerate 1.14 a tail unit for ``lm_head``).
-Read in the 4.6.0 wheel and run through its own code (``tests/integrations/test_ms_swift.py``,
-``test_ms_swift_liger.py``; set ``tf516swift``), these are its paths and what covers each:
+ms-swift trains with ``--fsdp fsdp2`` through accelerate (``fsdp2_prepare_model``, ``TRANSFORMER_BASED_WRAP``: the
+``_no_split_modules`` layer classes as units, and from accelerate 1.14 a tail unit for ``lm_head``). Read in the
+4.6.0 wheel and run through its own code (``tests/integrations/test_ms_swift.py``, ``test_ms_swift_liger.py``; set
+``tf516swift``), these are its paths and what covers each:
 
 - Qwen3-VL / Qwen3-VL-MoE (``swift.model.models.qwen._compat_qwen3_vl_mixed_data``, called by the loaders'
   ``get_model``): saves ``model.origin_forward = model.forward`` on the base model and installs an instance
@@ -32,12 +32,12 @@ Read in the 4.6.0 wheel and run through its own code (``tests/integrations/test_
   teacher through its root, or unshard the root around the call); ms-swift issue to file.
 - Not in the catalogue: InternVL, Kimi-VL, Keye and Seed templates, whose dummy is DeepSpeed-only too.
 
-``PATHS`` records the code of each path above as proven (``guards.fingerprint_source``; ``fsdp2-compat
-fingerprint FILE NAME``) as ``Covered`` records of its ``Integration``: ``fsdp2-compat status`` reads the
-installed release's files and says per path "proven" (that code), "proven broken" (GKD) or "unverified" (other
-code: not assumed covered), and ``list`` prints them (``core.covered``); ``test_ms_swift.py`` checks them
-against the installed release.  ``fsdp2-compat check`` runs the Qwen3-VL forward and GRPO Liger paths, unpatched
-and patched, where their installed code is the proven code (the harness's ``engines/ms_swift.py``).
+``PATHS`` records the code of each path above as proven (``guards.fingerprint_source``; ``fsdp2-compat fingerprint
+FILE NAME``) as ``Covered`` records of its ``Integration``: ``fsdp2-compat status`` reads the installed release's
+files and says per path "proven" (that code), "proven broken" (GKD) or "unverified" (other code: not assumed
+covered), and ``list`` prints them (``core.covered``); ``test_ms_swift.py`` checks them against the installed
+release.  ``fsdp2-compat check`` runs the Qwen3-VL forward and GRPO Liger paths, unpatched and patched, where their
+installed code is the proven code (the harness's ``engines/ms_swift.py``).
 
 Fails safe: nothing of ms-swift is patched.  Delete when ms-swift keeps every rank in the tower's
 collectives under FSDP2 itself (its Qwen3-VL dummy not DeepSpeed-only) and the shared targets it relies on
