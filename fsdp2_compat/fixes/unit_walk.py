@@ -219,6 +219,7 @@ class _Record:
             # the image ranks are wrong too, nothing exact to mirror
             self._refuse("the media path calls %s %d times inside reentrant activation checkpoints, whose "
                          "gradients FSDP2 does not reduce whole" % (type(unit).__name__, len(calls)))
+            _warn_once(type(unit).__name__)
             return
         counts = {self._grads[id(param)] for holder, module, name, param in self._seen.values()
                   if holder is unit and id(param) in self._grads}
@@ -238,6 +239,21 @@ class _Record:
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+
+
+_WARNED = set()
+
+
+def _warn_once(unit_class):
+    """The user's gradients are wrong on every rank, the walk aside: say so once per unit class."""
+    if unit_class not in _WARNED:
+        import logging
+
+        _WARNED.add(unit_class)
+        logging.getLogger("fsdp2_compat").warning(
+            "fsdp2-compat: %s runs more than once per step inside reentrant activation checkpoints, and FSDP2 "
+            "leaves such a unit's gradients unreduced (an upstream problem, docs/upstream-problems.md): use "
+            "gradient_checkpointing_kwargs={'use_reentrant': False}", unit_class)
 
 
 def in_backward():

@@ -97,6 +97,25 @@ def _toy(world, twice=False, foreign=False, frozen_first=False, reentrant=False)
     return model, run
 
 
+class _Warnings:
+    """The ``fsdp2_compat`` logger's warnings, appended to ``into`` until ``remove()``."""
+
+    def __init__(self, into):
+        import logging
+
+        class Handler(logging.Handler):
+            def emit(self, record):
+                into.append(record.getMessage())
+
+        self.handler = Handler(logging.WARNING)
+        logging.getLogger("fsdp2_compat").addHandler(self.handler)
+
+    def remove(self):
+        import logging
+
+        logging.getLogger("fsdp2_compat").removeHandler(self.handler)
+
+
 def _full(grad):
     return grad.full_tensor() if hasattr(grad, "full_tensor") else grad  # (FSDP2 may leave a unit unsharded)
 
@@ -156,7 +175,8 @@ def toy_cases(rank, world, cases):
                           frozen_first=case == "frozen block", reentrant=case == "twice reentrant")
         calls = _Counter(model.tower)
         trace, stop = _recorder()
-        result = {"traces": [], "tower_calls": [], "walks": [], "why_not": [], "grads": []}
+        result = {"traces": [], "tower_calls": [], "walks": [], "why_not": [], "grads": [], "warnings": []}
+        warnings = _Warnings(result["warnings"])
 
         def dummy(m, device):
             if case.endswith("real dummy"):  # (every time: what an image rank's units do, for comparison)
@@ -188,6 +208,7 @@ def toy_cases(rank, world, cases):
         finally:
             stop()
             calls.remove()
+            warnings.remove()
         out[case] = result
     return out
 
