@@ -77,17 +77,15 @@ def _floor(tower, device):
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
 
+    from fsdp2_compat.fixes import unit_walk
+
     units = [m for m in tower.modules() if isinstance(m, FSDPModule)]
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # (renamed in 2.13)
 
     def shard_size(unit):
         """(elements, dtype) of the shards of the parameters ``unit`` holds (not its nested units'); read while
         sharded (after ``unshard()`` its parameters are plain tensors)."""
-        todo, params = [unit], []
-        while todo:
-            module = todo.pop()
-            params += [p for p in module._parameters.values() if p is not None]
-            todo += [c for c in module.children() if not isinstance(c, FSDPModule)]
+        params = [p for m in unit_walk.held_modules(unit) for p in m._parameters.values() if p is not None]
         return sum(p.to_local().numel() for p in params), (params[0].dtype if params else torch.float32)
 
     sizes = [shard_size(unit) for unit in units]

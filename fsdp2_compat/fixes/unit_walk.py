@@ -88,13 +88,8 @@ class _Record:
         self._global.remove()
 
     def _subtree(self, unit):
-        """The modules whose parameters ``unit`` holds: its subtree less nested units'."""
         if unit not in self._subtrees:
-            found, todo = [], [unit]
-            while todo:
-                found.append(todo.pop())
-                todo.extend(c for c in found[-1].children() if not isinstance(c, self._fsdp))
-            self._subtrees[unit] = found
+            self._subtrees[unit] = held_modules(unit)
         return self._subtrees[unit]
 
     def _any_pre(self, module, args):
@@ -254,6 +249,17 @@ def _warn_once(unit_class):
             "fsdp2-compat: %s runs more than once per step inside reentrant activation checkpoints, and FSDP2 "
             "leaves such a unit's gradients unreduced (an upstream problem, docs/upstream-problems.md): use "
             "gradient_checkpointing_kwargs={'use_reentrant': False}", unit_class)
+
+
+def held_modules(unit):
+    """The modules whose parameters the FSDP2 unit ``unit`` holds: its subtree less nested units'."""
+    from torch.distributed.fsdp import FSDPModule
+
+    found, todo = [], [unit]
+    while todo:
+        found.append(todo.pop())
+        todo.extend(c for c in found[-1].children() if not isinstance(c, FSDPModule))
+    return found
 
 
 def in_backward():

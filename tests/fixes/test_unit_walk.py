@@ -159,15 +159,6 @@ FAMILIES = ("qwen2_5_vl", "qwen3_vl", "glm4v", "paddleocr_vl", "glm4v_moe", "glm
 # where transformers' reentrant checkpointing runs the text layers (5.24.0); the walk reduces it as often
 CALLED_TWICE = {"step3p7": "vision_model.layers.0", "deepseek_ocr2": "vision_encoder.layers.0"}
 CONFIGS = [(f, gc) for f in FAMILIES for gc in (None, "reentrant", "non-reentrant")]
-# Where a release runs these under reentrant checkpoints the record cannot mirror, it keeps the real dummy:
-# the audio towers' attention units inside their layers' units, both checkpointed (transformers 5.8.0); a
-# unit called twice inside reentrant checkpoints (DeepSeek-OCR-2 on 5.10.4 / 5.16.1), whose gradients FSDP2
-# itself leaves unreduced (test_fsdp2_leaves_..._unreduced below): there the image micro-batch is wrong too,
-# so its collectives are no reference.
-KEEPS_THE_DUMMY = {("qwen2_audio", "reentrant"): "nested activation checkpoints in ",
-                   ("audioflamingo3", "reentrant"): "nested activation checkpoints in ",
-                   ("deepseek_ocr2", "reentrant"): "the media path calls FSDPDeepseekOcr2SamVisionLayer 2 times "
-                                                   "inside reentrant activation checkpoints"}
 
 
 def _runnable(family):
@@ -196,10 +187,10 @@ def test_image_dummy_and_walk_issue_the_same_collectives(family, gc):
     assert "error" not in r, r
     image, recorded, walked = r["traces"]
     assert walked == recorded, (recorded, walked)
-    if r["why_not"] is not None and r["why_not"].startswith(KEEPS_THE_DUMMY.get((family, gc), "(none)")):
+    if r["why_not"] is not None and r["why_not"].startswith(walk_jobs.KEEPS_THE_DUMMY.get((family, gc), "(none)")):
         assert r["walks"] == [0, 0, 0] and r["tower_calls"][2] == r["tower_calls"][1] > 0, r
-        if "inside reentrant" in r["why_not"]:
-            pytest.skip("upstream: FSDP2 leaves a unit called twice inside reentrant checkpoints unreduced")
+        if walk_jobs.UPSTREAM in r["why_not"]:  # (the image micro-batch is wrong too: no reference)
+            pytest.skip(walk_jobs.UPSTREAM_SKIP)
         assert image and recorded == image, (image, recorded)
         return
     assert image and recorded == image, (image, recorded)

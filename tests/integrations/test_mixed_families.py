@@ -38,7 +38,7 @@ pytest.importorskip("torch", reason="needs torch (real FSDP2 on CPU gloo)")
 pytest.importorskip("transformers", reason="needs transformers (tiny models)")
 
 from fsdp2_compat import registry  # noqa: E402
-from support import accum_jobs, mixed_jobs  # noqa: E402
+from support import accum_jobs, mixed_jobs, walk_jobs  # noqa: E402
 
 DEPENDS_ON = ("torch", "transformers")
 
@@ -52,12 +52,10 @@ ACCUM_STEPS = ((("image", "text"), ("text", "image")), (("text", "image"), ("ima
 # and with transformers' reentrant gradient checkpointing, where a unit the dummy calls twice reduces at each call
 # (Step-3.7, DeepSeek-OCR-2: the walk's own zeros, unit_walk).
 PATCHED_CASES = ("fp32 every", "fp32 deferred", "bf16 deferred", "fp32 every reentrant")
-# Under reentrant checkpointing some releases' records cannot be walked (the real dummy runs every time, as
-# tests/fixes/test_unit_walk.py's KEEPS_THE_DUMMY): the audio towers' nested checkpoints (5.8.0), and
-# DeepSeek-OCR-2's unit called twice inside reentrant checkpoints (5.10.4, 5.16.1), whose gradients FSDP2
-# itself leaves unreduced: wrong with every rank on images (0.031, 5.16.1), so no claim there.
-REENTRANT_KEEPS_THE_DUMMY = ("qwen2_audio", "audioflamingo3", "deepseek_ocr2")
-UPSTREAM_REENTRANT = ("deepseek_ocr2",)
+# Under reentrant checkpointing some releases' records cannot be walked: the real dummy runs every time
+# (walk_jobs.KEEPS_THE_DUMMY, one table with tests/fixes/test_unit_walk.py); where FSDP2 itself leaves the
+# gradients unreduced (walk_jobs.UPSTREAM: DeepSeek-OCR-2 on 5.10.4 / 5.16.1, 0.031 off with every rank on
+# images) there is no claim.
 # Mixture-of-experts families: bf16 parameters may route a token to other experts than the fp32 reference
 # does, and that expert's whole gradient then differs (GLM-4.5V: 0.26 of max on one expert, transformers
 # 5.24.0).  Not a property of the fix: their claim is the exact fp32 one.
@@ -181,10 +179,10 @@ def test_patched_mixed_ranks_train_to_the_dp_average(family, case):
     results = patched[family]
     kept = any(r[case].get("unwalkable") for r in results)
     if kept:
-        assert case.endswith("reentrant") and family in REENTRANT_KEEPS_THE_DUMMY, (family, case, results)
-        if family in UPSTREAM_REENTRANT:
-            pytest.skip("upstream: FSDP2 leaves a unit called twice inside reentrant checkpoints unreduced "
-                        "(docs/upstream-problems.md)")
+        assert case.endswith("reentrant") and (family, "reentrant") in walk_jobs.KEEPS_THE_DUMMY, (
+            family, case, results)
+        if walk_jobs.UPSTREAM in walk_jobs.KEEPS_THE_DUMMY[(family, "reentrant")]:
+            pytest.skip(walk_jobs.UPSTREAM_SKIP)
     for rank, r in enumerate(results):
         accum_jobs.assert_close(r[case], case.split()[0], "%s %s %s rank %d" % (FRAMEWORK, family, case, rank))
     # one dummy vision forward per text-only micro-batch, never on an image micro-batch (so the fix found the

@@ -10,6 +10,20 @@ collective sequence of each micro-batch.
 """
 
 
+# Where a release runs a family under reentrant checkpoints in a way the record cannot mirror, it keeps the real
+# dummy ((family, checkpointing) -> the start of ``unit_walk.why_not``): the audio towers' attention units inside
+# their layers' units, both checkpointed (transformers 5.8.0); a unit called twice inside reentrant checkpoints
+# (DeepSeek-OCR-2 on 5.10.4 / 5.16.1), whose gradients FSDP2 itself leaves unreduced (``twice_in_checkpoints``):
+# there the image micro-batch is wrong too, so it is no reference (``UPSTREAM`` in the reason).
+UPSTREAM = "inside reentrant activation checkpoints"
+KEEPS_THE_DUMMY = {("qwen2_audio", "reentrant"): "nested activation checkpoints in ",
+                   ("audioflamingo3", "reentrant"): "nested activation checkpoints in ",
+                   ("deepseek_ocr2", "reentrant"): "the media path calls FSDPDeepseekOcr2SamVisionLayer 2 times "
+                                                   + UPSTREAM}
+UPSTREAM_SKIP = ("upstream: FSDP2 leaves a unit called twice inside reentrant checkpoints unreduced "
+                 "(docs/upstream-problems.md)")
+
+
 def _recorder():
     from fsdp2_compat.guard import collectives
 
@@ -116,10 +130,6 @@ class _Warnings:
         logging.getLogger("fsdp2_compat").removeHandler(self.handler)
 
 
-def _full(grad):
-    return grad.full_tensor() if hasattr(grad, "full_tensor") else grad  # (FSDP2 may leave a unit unsharded)
-
-
 def twice_in_checkpoints(rank, world):
     """``{mode: {parameter: {"sharded": bool, "err": max |grad - DP reference|}}}`` for a root unit whose head
     reads one unit block called twice, each call in an activation checkpoint (``"reentrant"``, ``"non-reentrant"``),
@@ -132,6 +142,8 @@ def twice_in_checkpoints(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.utils.checkpoint import checkpoint
+
+    from fsdp2_compat_harness.scenarios import full_value  # (FSDP2 may leave the unit unsharded: a plain grad)
 
     class Model(nn.Module):
         def __init__(self, reentrant):
@@ -158,7 +170,7 @@ def twice_in_checkpoints(rank, world):
         model(*data(rank)).backward()
         for r in range(world):
             (reference(*data(r)) / world).backward()
-        out[mode] = {n: {"sharded": hasattr(p, "full_tensor"), "err": float((_full(p.grad) - q.grad).abs().max())}
+        out[mode] = {n: {"sharded": hasattr(p, "full_tensor"), "err": float((full_value(p.grad) - q.grad).abs().max())}
                      for (n, p), (_, q) in zip(model.named_parameters(), reference.named_parameters())}
     return out
 
@@ -168,6 +180,7 @@ def toy_cases(rank, world, cases):
     import torch
 
     from fsdp2_compat.fixes import mixed_media, unit_walk
+    from fsdp2_compat_harness.scenarios import full_value
 
     out = {}
     for case in cases:
@@ -198,7 +211,7 @@ def toy_cases(rank, world, cases):
                     loss = model(x, dummy)
                     if mode.startswith("train"):
                         loss.backward()
-                        result["grads"].append({n: (None if p.grad is None else float(_full(p.grad).abs().sum()))
+                        result["grads"].append({n: (None if p.grad is None else float(full_value(p.grad).abs().sum()))
                                                 for n, p in model.named_parameters()})
                         model.zero_grad(set_to_none=True)
                 result["traces"].append(list(trace))
